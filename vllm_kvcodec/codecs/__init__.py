@@ -1,0 +1,8 @@
+"""Codecs behind one interface (see :mod:`.base`); importing this package registers them all."""
+
+from vllm_kvcodec.codecs.base import Codec
+from vllm_kvcodec.codecs.registry import codec_ids, get_codec, register_codec
+from vllm_kvcodec.codecs import raw as _raw  # noqa: F401  (registers)
+from vllm_kvcodec.codecs import splitzip as _splitzip  # noqa: F401
+
+__all__ = ["Codec", "codec_ids", "get_codec", "register_codec"]
