@@ -1,0 +1,50 @@
+"""``zstd``: zstandard over the split byte planes; every dtype, including float16.
+
+The yardstick the issue measures SplitZip against (``level=1``), and the
+codec for dtypes the exponent codecs refuse. Splitting first matters: on real
+KV, zstd-1 on raw bytes gives 1.275x, on split planes 1.46x.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import zstandard
+
+from vllm_kvcodec.codecs.base import Codec
+from vllm_kvcodec.codecs.planes import merge_planes, split_planes
+from vllm_kvcodec.codecs.registry import register_codec
+from vllm_kvcodec.codecs.validate import expect_size
+from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.errors import CodecError, ConfigError
+
+
+@register_codec
+class ZstdCodec(Codec):
+    codec_id = "zstd"
+
+    def __init__(self, level: int = 1) -> None:
+        if not isinstance(level, int) or not -7 <= level <= 22:
+            raise ConfigError(f"zstd level must be an integer in [-7, 22], got {level!r}")
+        self.level = level
+
+    def get_config(self) -> dict:
+        return {"id": self.codec_id, "level": self.level}
+
+    def encode(self, bits: np.ndarray, dtype: DType) -> bytes:
+        planes = split_planes(np.ascontiguousarray(bits).reshape(-1), dtype)
+        return zstandard.ZstdCompressor(level=self.level, write_content_size=True).compress(planes)
+
+    def decode(self, payload: memoryview, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
+        n = int(np.prod(shape, dtype=np.int64))
+        expected = n * dtype.itemsize
+        try:
+            params = zstandard.get_frame_parameters(payload)
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"zstd payload: {exc}") from None
+        expect_size("zstd frame content", params.content_size, expected)
+        try:
+            buf = zstandard.ZstdDecompressor().decompress(payload, max_output_size=expected)
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"zstd payload: {exc}") from None
+        expect_size("zstd decompressed planes", len(buf), expected)
+        return merge_planes(buf, dtype, n).reshape(shape)
