@@ -1,0 +1,52 @@
+"""Tensors that break naive float codecs: special values, every exponent, escape-heavy data."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_BITS_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def bits_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_BITS_VIEW[t.dtype])
+
+
+def from_bits(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    unsigned, signed = (np.uint32, np.int32) if dtype == torch.float32 else (np.uint16, np.int16)
+    return torch.from_numpy(bits.astype(unsigned).view(signed)).view(dtype)
+
+
+def special_values(dtype: torch.dtype) -> torch.Tensor:
+    """NaNs with payloads, +-Inf, +-0, subnormals, max/min normals."""
+    if dtype == torch.float32:
+        words = [0x7FC00001, 0xFFC12345, 0x7F800001, 0x7F800000, 0xFF800000, 0x0, 0x80000000,
+                 0x1, 0x807FFFFF, 0x7F7FFFFF, 0x00800000, 0x3F800000]
+    elif dtype == torch.float16:
+        words = [0x7E01, 0xFE55, 0x7C01, 0x7C00, 0xFC00, 0x0, 0x8000, 0x1, 0x83FF, 0x7BFF, 0x0400, 0x3C00]
+    else:
+        words = [0x7FC1, 0xFFAB, 0x7F81, 0x7F80, 0xFF80, 0x0, 0x8000, 0x1, 0x807F, 0x7F7F, 0x0080, 0x3F80]
+    return from_bits(np.array(words, dtype=np.uint64), dtype)
+
+
+def every_exponent(dtype: torch.dtype, repeat: int = 3) -> torch.Tensor:
+    """All 2**E exponents with random signs and mantissas (escape-heavy for a 16-entry codebook)."""
+    rng = np.random.default_rng(1)
+    if dtype == torch.float32:
+        e = np.repeat(np.arange(256, dtype=np.uint64), repeat)
+        words = (rng.integers(0, 2, e.size, dtype=np.uint64) << 31) | (e << 23) | rng.integers(0, 1 << 23, e.size, dtype=np.uint64)
+    elif dtype == torch.float16:
+        e = np.repeat(np.arange(32, dtype=np.uint64), repeat)
+        words = (rng.integers(0, 2, e.size, dtype=np.uint64) << 15) | (e << 10) | rng.integers(0, 1 << 10, e.size, dtype=np.uint64)
+    else:
+        e = np.repeat(np.arange(256, dtype=np.uint64), repeat)
+        words = (rng.integers(0, 2, e.size, dtype=np.uint64) << 15) | (e << 7) | rng.integers(0, 128, e.size, dtype=np.uint64)
+    return from_bits(rng.permutation(words), dtype)
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Uniformly random bit patterns: the worst case for every exponent codec."""
+    rng = np.random.default_rng(seed)
+    width = 32 if dtype == torch.float32 else 16
+    words = rng.integers(0, 1 << width, int(np.prod(shape)), dtype=np.uint64)
+    return from_bits(words, dtype).reshape(shape)
