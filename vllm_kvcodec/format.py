@@ -64,9 +64,14 @@ def encode_chunk(kv: torch.Tensor, codec: str | dict[str, Any] | Codec = DEFAULT
     _check_shape(tuple(bits.shape))
     config = _dump_config(coder.get_config())
     payload = coder.encode(bits, dtype)
-    head = _FIXED.pack(MAGIC, VERSION, int(dtype), bits.ndim, len(config), 0, len(payload))
-    body = b"".join((head, struct.pack(f"<{bits.ndim}I", *bits.shape), config, payload))
-    return body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+    head = b"".join((
+        _FIXED.pack(MAGIC, VERSION, int(dtype), bits.ndim, len(config), 0, len(payload)),
+        struct.pack(f"<{bits.ndim}I", *bits.shape),
+        config,
+    ))
+    digest = xxhash.xxh3_64(head)
+    digest.update(payload)
+    return b"".join((head, payload, _CHECKSUM.pack(digest.intdigest())))  # the payload is copied once
 
 
 def read_header(blob: bytes | bytearray | memoryview, verify: bool = True) -> ChunkHeader:

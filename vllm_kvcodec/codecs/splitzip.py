@@ -45,7 +45,7 @@ class SplitZipCodec(Codec):
     def encode(self, bits: np.ndarray, dtype: DType) -> bytes:
         flat = np.ascontiguousarray(bits).reshape(-1)
         streams = encode_streams(flat, dtype)
-        return b"".join(s.tobytes() if isinstance(s, np.ndarray) else s for s in streams)
+        return b"".join(streams)  # numpy arrays join through the buffer protocol, without a copy each
 
     def decode(self, payload: memoryview, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
         n = int(np.prod(shape, dtype=np.int64))
@@ -90,14 +90,15 @@ def _encode_bf16(values: np.ndarray) -> list:
     codes = np.empty(n_pairs, dtype=np.uint8)
     signman = np.empty(n_pairs, dtype=np.uint16)
     flags = np.empty(-(-n_pairs // k.BLOCK_PAIRS), dtype=np.uint8)
-    k.encode_pairs_bf16(words, code_of, is_escape, codes, signman, flags)
+    lut = code_of.astype(np.uint32) | (is_escape.astype(np.uint32) << 8)
+    k.encode_pairs_bf16(words, lut, codes, signman, flags)
     positions = np.empty(n_escapes, dtype=np.uint32)
     exponents = np.empty(n_escapes, dtype=np.uint8)
     if n_escapes:
         found = k.gather_escapes_bf16(values, is_escape, flags, positions, exponents)
         assert found == n_escapes, (found, n_escapes)
     sm = signman.view(np.uint8)[:n]
-    return [codebook, np.uint32(n_escapes).tobytes(), codes, sm, positions.astype("<u4"), exponents]
+    return [codebook, np.uint32(n_escapes).tobytes(), codes, sm, positions, exponents]
 
 
 def _encode_f32(values: np.ndarray) -> list:

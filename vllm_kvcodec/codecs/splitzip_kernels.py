@@ -15,11 +15,10 @@ import numpy as np
 BLOCK_PAIRS = 512  # pairs scanned per escape flag; one flag per 1024 values
 
 
-@numba.njit(cache=True, nogil=True, fastmath=False, boundscheck=False)
+@numba.njit(cache=True, nogil=True, boundscheck=False)
 def encode_pairs_bf16(
     words: np.ndarray,  # uint32[n_pairs]: two bf16 values, first in the low half
-    code_of: np.ndarray,  # uint8[256]: exponent -> 4-bit code (0 for escapes)
-    is_escape: np.ndarray,  # uint8[256]: 1 where the exponent is not in the codebook
+    lut: np.ndarray,  # uint32[256]: exponent -> code | escape << 8 (dword entries gather well)
     codes: np.ndarray,  # uint8[n_pairs] out
     signman: np.ndarray,  # uint16[n_pairs] out, first value in the low byte
     block_flags: np.ndarray,  # uint8[ceil(n_pairs / BLOCK_PAIRS)] out
@@ -28,15 +27,15 @@ def encode_pairs_bf16(
     for b in range(block_flags.shape[0]):
         start = b * BLOCK_PAIRS
         stop = min(start + BLOCK_PAIRS, n_pairs)
-        flag = np.uint8(0)
+        flag = np.uint32(0)
         for j in range(start, stop):
             w = words[j]
-            e0 = (w >> 7) & 0xFF
-            e1 = (w >> 23) & 0xFF
-            codes[j] = (code_of[e0] << 4) | code_of[e1]
-            signman[j] = ((w >> 8) & 0x80) | (w & 0x7F) | ((w >> 16) & 0x8000) | ((w >> 8) & 0x7F00)
-            flag |= is_escape[e0] | is_escape[e1]
-        block_flags[b] = flag
+            c0 = lut[(w >> 7) & 0xFF]
+            c1 = lut[(w >> 23) & 0xFF]
+            codes[j] = np.uint8(((c0 & 15) << 4) | (c1 & 15))
+            signman[j] = np.uint16(((w >> 8) & 0x80) | (w & 0x7F) | ((w >> 16) & 0x8000) | ((w >> 8) & 0x7F00))
+            flag |= c0 | c1
+        block_flags[b] = np.uint8(flag >> 8)
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
