@@ -1,0 +1,257 @@
+"""The adapter interface: canonical KV in and out of one layer's paged memory.
+
+A *paged-memory adapter* is the only object in vllm-kvcodec that knows how an
+attention backend lays K and V out inside vLLM's KV cache blocks. Everything
+else (codecs, chunk format, store, fetcher) sees the canonical layout::
+
+    [2 (K, V), tokens, kv_heads, head_dim]     per layer, in the model's dtype
+
+An adapter is bound to one geometry (block size, kv heads, head size, dtype)
+and is stateless otherwise, so one instance serves every layer that shares the
+geometry. It never keeps a reference to a cache tensor: each call gets the
+tensor vLLM handed to ``KVConnectorBase_V1.register_kv_caches`` (or the
+``kv_layer`` of ``save_kv_layer``) and a slot mapping.
+
+Slots
+    ``slot = block_id * block_size + offset_in_block`` (int32/int64, one per
+    token, any order, any blocks; partial blocks are fine). ``block_size`` is
+    the *kernel* block size, i.e. the token axis of the tensor the adapter is
+    given (``kv_cache.shape[2]``). Slot ids do not change when vLLM splits a
+    manager block into kernel blocks, because kernel blocks are dense
+    sub-pages: ``(b * r + j) * (bs / r) + o == b * bs + j * (bs / r) + o``.
+    Negative slots (vLLM's ``PAD_SLOT_ID`` = -1) are rejected: drop padding
+    before calling.
+
+Identity: ``layout_id`` and ``canonical``
+    ``layout_id`` names the byte layout of one (block, head) page, e.g.
+    ``"cpu_attn-amx-v1"``; two adapters with the same id read and write the
+    same bytes. ``canonical`` is True when :meth:`gather` returns exactly the
+    K/V values the model computed (no quantisation, no padding) and
+    :meth:`scatter` writes them back bit-exactly, which is the case for every
+    adapter in this package. Chunks gathered by canonical adapters are
+    interchangeable across layouts: a chunk saved on an AMX machine
+    (``cpu_attn-amx-v1``) loads bit-exactly into a FlashAttention cache
+    (``packed-kv-v1``). The connector should therefore key chunks with
+    :attr:`PagedKVAdapter.key_namespace`, which is the shared
+    ``"canonical-v1"`` for canonical adapters and the ``layout_id`` for a
+    non-canonical one (e.g. a future fp8 adapter), so that chunks of a
+    non-canonical layout are only ever found by the same layout.
+    (vLLM's own ``ExampleConnector`` copies pages raw, which is why a store
+    written on an AMX machine decodes to garbage on a non-AMX one.)
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm_kvcodec.errors import ConfigError
+
+#: Namespace shared by every canonical adapter (see the module docstring).
+CANONICAL_NAMESPACE = "canonical-v1"
+
+#: dtypes a canonical adapter can hold (what a chunk can hold, see dtypes.py).
+CANONICAL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class PagedLayoutError(ConfigError):
+    """A KV cache tensor does not have the layout, geometry or dtype an adapter expects."""
+
+
+class UnknownLayoutError(PagedLayoutError):
+    """No adapter is known (or verified) for this backend / ISA / dtype: we never guess."""
+
+
+class LayoutMismatchError(PagedLayoutError):
+    """vLLM's own write op put bytes where the chosen adapter does not expect them."""
+
+
+class SlotError(PagedLayoutError, IndexError):
+    """A slot mapping addresses tokens outside the cache, or is malformed."""
+
+
+def _host_to_device(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """non_blocking is only safe host -> device (a device -> host copy may not have landed yet)."""
+    return src.device.type == "cpu" and dst.device.type != "cpu"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What one layer's KV looks like, independent of the layout."""
+
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("num_kv_heads", "head_size", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise PagedLayoutError(f"{name} must be a positive int, got {value!r}")
+        if self.dtype not in CANONICAL_DTYPES:
+            raise UnknownLayoutError(
+                f"KV cache dtype {self.dtype} is not supported: adapters move bfloat16, float16 "
+                "or float32 KV bit-exactly; quantised caches (fp8/nvfp4) are not canonical"
+            )
+
+
+class PagedKVAdapter(abc.ABC):
+    """Gather/scatter canonical ``[2, tokens, kv_heads, head_dim]`` KV by slot mapping.
+
+    Subclasses implement :meth:`_gather` and :meth:`_scatter` on validated
+    inputs with vectorised torch indexing (no per-token Python loops); they
+    work on any device torch indexes on (CPU here, CUDA for the GPU layouts).
+    """
+
+    #: byte layout of a page; equal ids mean equal bytes (see module docstring)
+    layout_id: ClassVar[str]
+    #: gather/scatter are exact inverses onto the canonical layout
+    canonical: ClassVar[bool] = True
+    #: vLLM attention backends (``AttentionBackend.get_name()``) that use this layout
+    backends: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, geometry: Geometry) -> None:
+        self.geometry = geometry
+
+    # ---- identity -------------------------------------------------------------------
+    @property
+    def key_namespace(self) -> str:
+        """What the connector puts in its key namespace for chunks gathered here."""
+        return CANONICAL_NAMESPACE if self.canonical else self.layout_id
+
+    @property
+    def block_size(self) -> int:
+        return self.geometry.block_size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.geometry.num_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.geometry.head_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.geometry.dtype
+
+    def __repr__(self) -> str:
+        g = self.geometry
+        return (
+            f"{type(self).__name__}(layout_id={self.layout_id!r}, block_size={g.block_size}, "
+            f"num_kv_heads={g.num_kv_heads}, head_size={g.head_size}, dtype={g.dtype})"
+        )
+
+    # ---- the two operations ---------------------------------------------------------
+    def gather(
+        self,
+        layer_cache: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        check: bool = True,
+    ) -> torch.Tensor:
+        """Read the KV of ``slots`` out of one layer's paged memory.
+
+        Returns a new (or the given ``out``) contiguous tensor
+        ``[2, len(slots), kv_heads, head_size]`` on the cache's device, in token
+        order of ``slots``. ``check=False`` skips the slot bounds check (which
+        costs a device sync on GPUs).
+        """
+        self.check_cache(layer_cache)
+        slots = self._slots(layer_cache, slots, check=check)
+        g = self.geometry
+        shape = (2, slots.numel(), g.num_kv_heads, g.head_size)
+        if out is None:
+            out = torch.empty(shape, dtype=g.dtype, device=layer_cache.device)
+        elif (
+            tuple(out.shape) != shape
+            or out.dtype != g.dtype
+            or out.device != layer_cache.device
+            or not out.is_contiguous()
+        ):
+            raise PagedLayoutError(
+                f"out must be a contiguous {shape} {g.dtype} tensor on {layer_cache.device}, "
+                f"got {tuple(out.shape)} {out.dtype} on {out.device} (contiguous={out.is_contiguous()})"
+            )
+        if slots.numel():
+            self._gather(layer_cache, slots, out)
+        return out
+
+    def scatter(
+        self, layer_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, *, check: bool = True
+    ) -> None:
+        """Write canonical ``kv`` ``[2, len(slots), kv_heads, head_size]`` into ``slots``, in place.
+
+        Only the bytes of the addressed tokens change. ``kv`` must have the
+        cache's dtype (no silent casts); it is moved to the cache's device if
+        needed. With ``check=True`` slots must also be unique (a duplicate
+        slot would make the result depend on write order).
+        """
+        self.check_cache(layer_cache)
+        slots = self._slots(layer_cache, slots, check=check)
+        g = self.geometry
+        shape = (2, slots.numel(), g.num_kv_heads, g.head_size)
+        if tuple(kv.shape) != shape:
+            raise PagedLayoutError(f"kv must have shape {shape}, got {tuple(kv.shape)}")
+        if kv.dtype != g.dtype:
+            raise PagedLayoutError(f"kv dtype {kv.dtype} != cache dtype {g.dtype} (no silent casts)")
+        if check and slots.numel() > 1 and torch.unique(slots).numel() != slots.numel():
+            raise SlotError("scatter slots must be unique")
+        if not slots.numel():
+            return
+        kv = kv.to(layer_cache.device, non_blocking=_host_to_device(kv, layer_cache))
+        self._scatter(layer_cache, slots, kv)
+
+    # ---- validation -----------------------------------------------------------------
+    def check_cache(self, layer_cache: torch.Tensor) -> None:
+        """Raise :class:`PagedLayoutError` unless ``layer_cache`` fits this adapter."""
+        if not isinstance(layer_cache, torch.Tensor):
+            raise PagedLayoutError(f"expected a torch.Tensor KV cache, got {type(layer_cache).__name__}")
+        if layer_cache.dtype != self.geometry.dtype:
+            raise PagedLayoutError(f"KV cache dtype {layer_cache.dtype} != adapter dtype {self.geometry.dtype}")
+        self._check_shape(layer_cache)
+
+    def num_slots(self, layer_cache: torch.Tensor) -> int:
+        """How many token slots the cache holds (``num_blocks * block_size``)."""
+        return self.num_blocks(layer_cache) * self.geometry.block_size
+
+    @abc.abstractmethod
+    def num_blocks(self, layer_cache: torch.Tensor) -> int:
+        """Number of (kernel) blocks in ``layer_cache``."""
+
+    @abc.abstractmethod
+    def _check_shape(self, layer_cache: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def _gather(self, layer_cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def _scatter(self, layer_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None: ...
+
+    def _slots(self, layer_cache: torch.Tensor, slots: torch.Tensor, *, check: bool) -> torch.Tensor:
+        if not isinstance(slots, torch.Tensor):
+            slots = torch.as_tensor(slots, dtype=torch.int64)
+        if slots.dim() != 1:
+            raise SlotError(f"slot mapping must be 1-D, got shape {tuple(slots.shape)}")
+        if slots.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise SlotError(f"slot mapping must hold integers, got {slots.dtype}")
+        non_blocking = _host_to_device(slots, layer_cache)
+        slots = slots.to(device=layer_cache.device, dtype=torch.int64, non_blocking=non_blocking)
+        if check and slots.numel():
+            lo, hi = int(slots.min()), int(slots.max())
+            limit = self.num_slots(layer_cache)
+            if lo < 0 or hi >= limit:
+                raise SlotError(
+                    f"slot mapping spans [{lo}, {hi}] but the cache holds slots [0, {limit}); "
+                    "drop padding slots (-1) before gather/scatter"
+                )
+        return slots
+
+    def _split(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.geometry.block_size
+        return torch.div(slots, bs, rounding_mode="floor"), torch.remainder(slots, bs)

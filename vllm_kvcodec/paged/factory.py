@@ -1,0 +1,278 @@
+"""Pick the adapter for a KV cache tensor; refuse, with a reason, anything unknown.
+
+The attention backend decides the layout, the tensor decides the geometry:
+
+- ``CPU_ATTN``: ``[num_blocks, kv_heads, block_size, 2*head_size]``; the page
+  interior depends on the ISA string of the layer (``layer.isa``): ``amx`` ->
+  :class:`CpuAttnAmxAdapter`, ``vec`` / ``vec16`` (and every head size that is
+  not a multiple of 32) -> the VEC layout. Checked against vLLM's own write op
+  before it is returned (``verify``), when that op is importable.
+- ``FLASH_ATTN`` / ``FLASHINFER`` / ``TRITON_ATTN`` / ``FLEX_ATTENTION``: the
+  packed K‖V view of vLLM >= 0.28 (4-D), or the split K/V tensors of older
+  vLLM (5-D: ``(2, B, N, H, D)`` for FlashAttention, ``(B, 2, N, H, D)`` for
+  FlashInfer).
+- anything else (MLA, fp8/nvfp4 caches, padded head sizes, other backends and
+  ISAs): :class:`UnknownLayoutError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from vllm_kvcodec.paged.base import (
+    CANONICAL_DTYPES,
+    Geometry,
+    PagedKVAdapter,
+    PagedLayoutError,
+    UnknownLayoutError,
+)
+from vllm_kvcodec.paged.cpu_attn import (
+    cpu_attn_adapter,
+    engine_isa,
+    kernel_isa,
+    verify_with_vllm_op,
+    vllm_write_op_available,
+)
+from vllm_kvcodec.paged.packed import (
+    PACKED_BACKENDS,
+    FlashInferSplitKVAdapter,
+    FlashSplitKVAdapter,
+    PackedKVAdapter,
+)
+
+_ALIASES = {
+    "CPU": "CPU_ATTN",
+    "FLASH": "FLASH_ATTN",
+    "FLASH_ATTENTION": "FLASH_ATTN",
+    "TRITON": "TRITON_ATTN",
+    "FLEX": "FLEX_ATTENTION",
+}
+KNOWN_BACKENDS = ("CPU_ATTN", *PACKED_BACKENDS)
+_UNQUANTISED_CACHE_DTYPES = frozenset({"auto", "bfloat16", "float16", "half", "float32", "float"})
+
+Verify = bool | Literal["auto"]
+
+
+def adapter_for(
+    source: Any,
+    kv_cache: torch.Tensor,
+    *,
+    dtype: torch.dtype | None = None,
+    num_kv_heads: int | None = None,
+    head_size: int | None = None,
+    block_size: int | None = None,
+    isa: str | None = None,
+    kv_cache_dtype: str | None = None,
+    layer_name: str | None = None,
+    verify: Verify = "auto",
+) -> PagedKVAdapter:
+    """The adapter for one layer's ``kv_cache`` (as passed to ``register_kv_caches``).
+
+    ``source`` says which attention backend wrote the cache: its name
+    (``"CPU_ATTN"``, ``"FLASH_ATTN"``, ...), an ``AttentionBackend`` class, a
+    vLLM ``Attention`` layer, or a ``VllmConfig`` together with ``layer_name``
+    (the layer is then looked up in ``compilation_config.static_forward_context``,
+    which is populated by the time ``register_kv_caches`` runs). From a layer
+    the factory also reads ``isa``, ``head_size``, ``num_kv_heads`` and
+    ``kv_cache_dtype``. The keyword arguments, when given, are cross-checked
+    against the tensor; ``block_size`` is the *kernel* block size, which is
+    the tensor's token axis.
+
+    ``verify``: ``"auto"`` checks CPU_ATTN adapters against vLLM's own write op
+    whenever it is importable, ``True`` requires that check, ``False`` skips it.
+    """
+    backend, info = _resolve_source(source, layer_name)
+    isa = isa or info.get("isa")
+    kv_cache_dtype = kv_cache_dtype or info.get("kv_cache_dtype")
+    dtype = dtype or info.get("dtype")
+    head_size = head_size or info.get("head_size")
+    num_kv_heads = num_kv_heads or info.get("num_kv_heads")
+    if info.get("head_size_v") not in (None, head_size):
+        raise UnknownLayoutError(
+            f"{backend}: K and V head sizes differ ({head_size} vs {info['head_size_v']}); "
+            "no canonical [2, T, H, D] layout for that"
+        )
+
+    if not isinstance(kv_cache, torch.Tensor):
+        raise PagedLayoutError(
+            f"expected the per-layer KV cache tensor, got {type(kv_cache).__name__}"
+            " (a layer without per-layer views, e.g. Mamba state, has no KV to move)"
+        )
+    if kv_cache_dtype is not None and _dtype_name(kv_cache_dtype) not in _UNQUANTISED_CACHE_DTYPES:
+        raise UnknownLayoutError(
+            f"{backend}: kv_cache_dtype={kv_cache_dtype!r} is quantised; only unquantised "
+            "bfloat16/float16/float32 caches are moved (bit-exactly)"
+        )
+    if kv_cache.dtype not in CANONICAL_DTYPES:
+        raise UnknownLayoutError(
+            f"{backend}: KV cache tensor dtype {kv_cache.dtype} is not bfloat16/float16/float32 "
+            "(fp8 / nvfp4 caches are not supported)"
+        )
+    if dtype is not None and dtype != kv_cache.dtype:
+        raise PagedLayoutError(f"{backend}: KV cache dtype {kv_cache.dtype} != expected {dtype}")
+
+    geometry = _geometry(backend, kv_cache, head_size, num_kv_heads, block_size)
+
+    if backend == "CPU_ATTN":
+        if kv_cache.dim() != 4:
+            raise UnknownLayoutError(f"CPU_ATTN KV cache must be 4-D, got shape {tuple(kv_cache.shape)}")
+        if isa is None:
+            isa = engine_isa(
+                kv_cache.dtype, geometry.block_size, geometry.head_size, _dtype_name(kv_cache_dtype or "auto")
+            )
+        adapter = cpu_attn_adapter(isa, geometry)
+        if verify is True or (verify == "auto" and kv_cache.device.type == "cpu"):
+            if vllm_write_op_available():
+                verify_with_vllm_op(adapter, isa)
+            elif verify is True:
+                raise UnknownLayoutError("verify=True but vLLM's cpu_attn_reshape_and_cache op is not importable")
+        adapter.check_cache(kv_cache)
+        return adapter
+
+    if backend in PACKED_BACKENDS:
+        if kv_cache.dim() == 4:
+            adapter = PackedKVAdapter(geometry)
+        elif kv_cache.dim() == 5 and backend == "FLASH_ATTN":
+            adapter = FlashSplitKVAdapter(geometry)
+        elif kv_cache.dim() == 5 and backend == "FLASHINFER":
+            adapter = FlashInferSplitKVAdapter(geometry)
+        else:
+            raise UnknownLayoutError(f"{backend}: no known layout for a KV cache of shape {tuple(kv_cache.shape)}")
+        adapter.check_cache(kv_cache)
+        return adapter
+
+    raise UnknownLayoutError(
+        f"no paged-memory adapter for attention backend {backend!r} "
+        f"(known: {', '.join(KNOWN_BACKENDS)}); refusing to guess its layout"
+    )
+
+
+def adapters_for(vllm_config: Any, kv_caches: dict[str, torch.Tensor], **kwargs: Any) -> dict[str, PagedKVAdapter]:
+    """One adapter per layer of ``register_kv_caches``' dict (shared where the geometry is equal).
+
+    Layers that share one KV cache tensor with an earlier layer (cross-layer
+    KV sharing, see :func:`shared_kv_layers`) get an adapter too; the
+    connector should save/load only the target layer.
+    """
+    out: dict[str, PagedKVAdapter] = {}
+    seen: dict[tuple, PagedKVAdapter] = {}
+    for name, cache in kv_caches.items():
+        layer = _layer(vllm_config, name)
+        sig = (
+            _backend_name(layer.attn_backend),
+            getattr(layer, "isa", None),
+            tuple(cache.shape[1:]),
+            cache.dtype,
+            cache.dim(),
+        )
+        if sig not in seen:
+            seen[sig] = adapter_for(layer, cache, **kwargs)
+        else:
+            seen[sig].check_cache(cache)
+        out[name] = seen[sig]
+    return out
+
+
+def shared_kv_layers(kv_caches: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Layers whose KV cache *is* an earlier layer's (same storage, offset, shape, strides) -> that layer."""
+    first: dict[tuple, str] = {}
+    shared: dict[str, str] = {}
+    for name, t in kv_caches.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if key in first:
+            shared[name] = first[key]
+        else:
+            first[key] = name
+    return shared
+
+
+# ---- helpers ------------------------------------------------------------------------------
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).lower().removeprefix("torch.")
+
+
+def _backend_name(backend: Any) -> str:
+    name = backend.get_name() if hasattr(backend, "get_name") else str(backend)
+    name = name.upper()
+    return _ALIASES.get(name, name)
+
+
+def _layer(vllm_config: Any, layer_name: str | None) -> Any:
+    try:
+        ctx = vllm_config.compilation_config.static_forward_context
+    except AttributeError:
+        raise PagedLayoutError("expected a VllmConfig (with compilation_config.static_forward_context)") from None
+    if layer_name is None:
+        names = [n for n, layer in ctx.items() if hasattr(layer, "attn_backend")]
+        if not names:
+            raise PagedLayoutError("the VllmConfig has no attention layers yet (call after the model is built)")
+        layer_name = names[0]
+    try:
+        layer = ctx[layer_name]
+    except KeyError:
+        raise PagedLayoutError(f"no layer {layer_name!r} in the forward context") from None
+    if not hasattr(layer, "attn_backend"):
+        raise UnknownLayoutError(f"layer {layer_name!r} ({type(layer).__name__}) is not an attention layer")
+    return layer
+
+
+def _resolve_source(source: Any, layer_name: str | None) -> tuple[str, dict[str, Any]]:
+    if isinstance(source, str):
+        return _backend_name(source), {}
+    if hasattr(source, "compilation_config") and hasattr(source, "model_config"):
+        layer = _layer(source, layer_name)
+        name, info = _resolve_source(layer, None)
+        model_dtype = getattr(source.model_config, "dtype", None)
+        info.setdefault("dtype", model_dtype if isinstance(model_dtype, torch.dtype) else None)
+        info.setdefault("kv_cache_dtype", getattr(source.cache_config, "cache_dtype", None))
+        return name, info
+    if hasattr(source, "attn_backend"):  # a vLLM Attention layer
+        info = {
+            key: getattr(source, key)
+            for key in ("isa", "head_size", "head_size_v", "num_kv_heads", "kv_cache_dtype")
+            if getattr(source, key, None) is not None
+        }
+        return _backend_name(source.attn_backend), info
+    if hasattr(source, "get_name"):
+        return _backend_name(source), {}
+    raise PagedLayoutError(
+        f"cannot tell the attention backend from a {type(source).__name__}; pass its name, "
+        "an AttentionBackend class, an Attention layer, or a VllmConfig with layer_name"
+    )
+
+
+def _geometry(
+    backend: str,
+    t: torch.Tensor,
+    head_size: int | None,
+    num_kv_heads: int | None,
+    block_size: int | None,
+) -> Geometry:
+    if t.dim() == 4:
+        _, h, n, c = t.shape
+        if c % 2:
+            raise UnknownLayoutError(f"{backend}: content axis {c} is odd, not K‖V")
+        d = c // 2
+    elif t.dim() == 5:
+        # legacy split layouts: (2, B, N, H, D) or (B, 2, N, H, D)
+        n, h, d = t.shape[2], t.shape[3], t.shape[4]
+    else:
+        raise UnknownLayoutError(f"{backend}: no known layout for a {t.dim()}-D KV cache {tuple(t.shape)}")
+    if head_size is not None and head_size != d:
+        raise UnknownLayoutError(
+            f"{backend}: the cache holds {d} elements per K (or V) but head_size={head_size} "
+            "(padded or quantised content); refusing to guess where K and V live"
+        )
+    if num_kv_heads is not None and num_kv_heads != h:
+        raise PagedLayoutError(f"{backend}: cache has {h} kv heads, expected {num_kv_heads}")
+    if block_size is not None and block_size != n:
+        raise PagedLayoutError(
+            f"{backend}: cache blocks hold {n} tokens, expected {block_size}; with kernel block "
+            "splitting the adapter's block size is the tensor's (kernel) block size"
+        )
+    return Geometry(num_kv_heads=int(h), head_size=int(d), block_size=int(n), dtype=t.dtype)
+
+
+__all__ = ["adapter_for", "adapters_for", "shared_kv_layers", "kernel_isa", "KNOWN_BACKENDS"]
