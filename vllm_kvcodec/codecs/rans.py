@@ -30,6 +30,7 @@ float16 has no whole-byte exponent split and is refused (use ``zstd`` or ``raw``
 
 from __future__ import annotations
 
+import vllm_kvcodec.numba_compat  # noqa: F401  (before numba; see its docstring)
 import numba
 import numpy as np
 

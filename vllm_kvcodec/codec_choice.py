@@ -1,0 +1,84 @@
+"""Which codec to save with: fixed by config, or ``auto`` from measured link and codec speeds.
+
+``auto`` minimises the expected time to load a chunk,
+``raw_bytes / (ratio * link_bandwidth) + raw_bytes / decode_speed``: on a fast
+link raw wins (nothing to decode), on a slow one the densest codec does. Each
+candidate's ratio and decode speed are measured once on this machine on the
+first real chunk saved; the link bandwidth is a moving average of this
+process's own store transfers (objects of at least 64 KiB, so latency does not
+pose as bandwidth). Every change of choice is logged with the figures behind it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from vllm_kvcodec.codecs import Codec, get_codec
+from vllm_kvcodec.format import decode_chunk, encode_chunk
+
+logger = logging.getLogger("vllm_kvcodec")
+
+AUTO_CANDIDATES = ("raw", "splitzip", "zstd", "rans")
+MIN_SAMPLE_BYTES = 64 << 10
+
+
+class CodecChooser:
+    def __init__(self, spec: str | dict[str, Any], candidates: tuple[str, ...] = AUTO_CANDIDATES, initial_gbps: float = 10.0) -> None:
+        self.auto = spec == "auto"
+        self.fixed: Codec | None = None if self.auto else get_codec(spec)
+        self.candidates = [get_codec(c) for c in candidates]
+        self.profile: dict[str, dict[str, float]] = {}
+        self._bandwidth = initial_gbps * 1e9 / 8  # bytes/s until measured
+        self._lock = threading.Lock()
+        self._current: Codec | None = None
+
+    # ---- observations ---------------------------------------------------------------
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        if nbytes < MIN_SAMPLE_BYTES or seconds <= 0:
+            return
+        with self._lock:
+            self._bandwidth = 0.8 * self._bandwidth + 0.2 * (nbytes / seconds)
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        return self._bandwidth
+
+    def _calibrate(self, sample: torch.Tensor) -> None:
+        raw = sample.numel() * sample.element_size()
+        for codec in self.candidates:
+            blob = encode_chunk(sample, codec)
+            t0 = time.perf_counter()
+            decode_chunk(blob)
+            decode_s = max(time.perf_counter() - t0, 1e-9)
+            self.profile[codec.codec_id] = {"ratio": raw / len(blob), "decode_Bps": raw / decode_s}
+
+    # ---- decision -------------------------------------------------------------------
+    def codec_for(self, sample: torch.Tensor) -> Codec:
+        if self.fixed is not None:
+            return self.fixed
+        with self._lock:
+            if not self.profile:
+                self._calibrate(sample)
+            best = min(self.candidates, key=self._expected_seconds_per_byte)
+            if best != self._current:
+                self._log_choice(best)
+                self._current = best
+            return best
+
+    def _expected_seconds_per_byte(self, codec: Codec) -> float:
+        p = self.profile[codec.codec_id]
+        return 1.0 / (p["ratio"] * self._bandwidth) + 1.0 / p["decode_Bps"]
+
+    def _log_choice(self, codec: Codec) -> None:
+        figures = ", ".join(
+            f"{cid}: {p['ratio']:.3f}x, decode {p['decode_Bps'] / 1e6:.0f} MB/s" for cid, p in self.profile.items()
+        )
+        logger.info(
+            "kvcodec auto: link %.2f Gbit/s -> saving with %s (%s)",
+            self._bandwidth * 8 / 1e9, codec.codec_id, figures,
+        )

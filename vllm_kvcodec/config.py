@@ -1,0 +1,89 @@
+"""The connector's settings: ``kv_connector_extra_config``, typed and validated at start-up.
+
+Every key, its type, default and meaning is here (and rendered into
+docs/configuration.md); a bad value stops the engine with a message that names
+the key, instead of failing on the first request.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from vllm_kvcodec.cache_dir import cache_dir
+from vllm_kvcodec.errors import ConfigError
+
+DEFAULT_CODEC = "rans"
+
+
+def default_store_url() -> str:
+    """The embedded default: a file store in the user's cache directory, no server."""
+    return f"file://{cache_dir('store')}"
+
+
+class ConnectorConfig(BaseModel):
+    """``kv_connector_extra_config`` of KVCodecConnector."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    store: str = Field(default_factory=default_store_url, description="Store URL: file:///path, redis://host:port/db, rediss://..., memory://name.")
+    codec: str | dict[str, Any] = Field(DEFAULT_CODEC, description="Codec id or config dict (raw, zstd, splitzip, rans, video), or 'auto' to pick by measured link and codec speed.")
+    chunk_size: int = Field(256, gt=0, description="Tokens per stored chunk; a multiple of vLLM's block_size.")
+    layers_per_object: int = Field(0, ge=0, description="Layers per stored object so loads stream layer group by layer group; 0 picks about 6 groups.")
+    load_mode: Literal["sync", "async"] = Field("sync", description="sync: prefill of the suffix waits per layer; async: the request waits aside (WAITING_FOR_REMOTE_KVS) until its prefix is loaded.")
+    fetch_threads: int = Field(4, ge=1, le=64, description="Threads that fetch, decode and scatter stored objects.")
+    save_threads: int = Field(2, ge=1, le=64, description="Threads that encode and put saved chunks.")
+    max_pending_save_bytes: int = Field(512 << 20, ge=1 << 20, description="Raw KV bytes allowed to wait for encoding; beyond it new saves are dropped (counted), never blocking the engine.")
+    load_timeout_s: float = Field(30.0, gt=0, description="A load not finished by then is abandoned and its blocks recomputed.")
+    on_load_failure: Literal["recompute", "fail"] = Field("recompute", description="Sets vLLM's kv_load_failure_policy: recompute failed blocks (default) or fail the request.")
+    salt: str = Field("", description="Tenant/salt mixed into every key: deployments with different salts never share chunks.")
+    model_id: str = Field("", description="Model identity for the key namespace; default: the served model name plus its weights' revision if known.")
+    save: bool = Field(True, description="Save new full prefix chunks (disable on load-only instances).")
+    load: bool = Field(True, description="Load stored prefix chunks (disable on save-only instances).")
+    log_interval_s: float = Field(30.0, ge=0, description="Seconds between metric log lines (0: never).")
+
+    @field_validator("store")
+    @classmethod
+    def _known_scheme(cls, url: str) -> str:
+        scheme = url.split("://", 1)[0] if "://" in url else ""
+        if scheme.split("+")[-1] not in {"file", "redis", "rediss", "memory", "cluster"} and not scheme.startswith(("link+", "redis+")):
+            raise ValueError(f"unsupported store URL {url!r}: use file:///path, redis://host:port/db, rediss://... or memory://name")
+        return url
+
+    @field_validator("codec")
+    @classmethod
+    def _known_codec(cls, codec: str | dict[str, Any]) -> str | dict[str, Any]:
+        if codec == "auto":
+            return codec
+        from vllm_kvcodec.codecs import get_codec
+
+        built = get_codec(codec)  # raises ConfigError (a ValueError) naming the known codecs
+        if not built.lossless:
+            raise ValueError(f"codec {codec!r} is lossy; this connector only stores bit-exact KV")
+        return codec
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
+        try:
+            return cls(**(extra or {}))
+        except ValidationError as exc:
+            raise ConfigError(f"invalid kv_connector_extra_config for KVCodecConnector:\n{_explain(exc)}") from None
+
+    def check_block_size(self, block_size: int) -> None:
+        if self.chunk_size % block_size:
+            raise ConfigError(
+                f"chunk_size {self.chunk_size} must be a multiple of vLLM's block_size {block_size}"
+            )
+
+    def layer_groups(self, num_layers: int) -> list[range]:
+        per = self.layers_per_object or max(1, -(-num_layers // 6))
+        return [range(i, min(i + per, num_layers)) for i in range(0, num_layers, per)]
+
+
+def _explain(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(config)"
+        lines.append(f"  {where}: {err['msg']}")
+    return "\n".join(lines)

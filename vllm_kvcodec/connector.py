@@ -1,0 +1,172 @@
+"""KVCodecConnector: vLLM's entry point, a thin facade over the scheduler and worker halves.
+
+Use it with::
+
+    --kv-transfer-config '{"kv_connector": "KVCodecConnector",
+                           "kv_connector_module_path": "vllm_kvcodec.connector",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"store": "redis://127.0.0.1:6379/0"}}'
+
+Every call is handed to the half that owns it (the pattern of vLLM's
+OffloadingConnector); the halves share only :class:`~.metadata.KVCodecMetadata`.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from vllm_kvcodec.config import ConnectorConfig
+from vllm_kvcodec.errors import ConfigError
+from vllm_kvcodec.keys import Namespace
+from vllm_kvcodec.metadata import KVCodecMetadata
+from vllm_kvcodec.paged import CANONICAL_NAMESPACE
+from vllm_kvcodec.scheduler import SchedulerHalf
+from vllm_kvcodec.stats import KVCodecTransferStats, summarize
+from vllm_kvcodec.worker import WorkerHalf
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm_kvcodec")
+_LIVE: "weakref.WeakSet[KVCodecConnector]" = weakref.WeakSet()
+
+
+def live_connectors() -> list["KVCodecConnector"]:
+    """Connectors alive in this process (tests and the demo read their stats)."""
+    return list(_LIVE)
+
+
+class KVCodecConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        block_size = vllm_config.cache_config.block_size
+        self.config.check_block_size(block_size)
+        namespace = build_namespace(vllm_config, self.config)
+        groups = self.config.layer_groups(namespace.num_layers)
+        self.scheduler: SchedulerHalf | None = None
+        self.worker: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # vLLM reads the policy right after creating this connector.
+            transfer.kv_load_failure_policy = self.config.on_load_failure
+            self.scheduler = SchedulerHalf(self.config, namespace, len(groups), namespace.tp_size, block_size)
+        else:
+            self.worker = WorkerHalf(vllm_config, self.config, namespace, groups, _tp_rank())
+        _LIVE.add(self)
+
+    # ---- worker side ----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._w.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._w.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._w.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self._w.save_kv_layer(layer_name, kv_layer, self._meta())
+
+    def wait_for_save(self) -> None:
+        self._w.wait_for_save(self._meta() if self.has_connector_metadata() else None)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._w.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._w.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVCodecTransferStats | None:
+        half = self.worker or self.scheduler  # vLLM asks both sides
+        data = half.stats.take_interval() if half is not None else {}
+        return KVCodecTransferStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVCodecTransferStats | None:
+        return KVCodecTransferStats(data=dict(data or {}))
+
+    # ---- scheduler side -------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._s.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        self._s.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVCodecMetadata:
+        return self._s.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._s.request_finished(request)
+        return False, None
+
+    # ---- both -----------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Totals since start (hits, tokens and bytes moved, stage times, failures)."""
+        half = self.worker or self.scheduler
+        return summarize(half.stats.totals()) if half is not None else {}
+
+    def flush(self, timeout: float | None = 60.0) -> bool:
+        """Wait for background saves (tests, benchmarks, the demo)."""
+        return self.worker is None or self.worker.saver is None or self.worker.saver.flush(timeout)
+
+    def shutdown(self) -> None:
+        for half in (self.worker, self.scheduler):
+            if half is not None:
+                half.shutdown()
+
+    @property
+    def _w(self) -> WorkerHalf:
+        assert self.worker is not None, "worker-side call on the scheduler connector"
+        return self.worker
+
+    @property
+    def _s(self) -> SchedulerHalf:
+        assert self.scheduler is not None, "scheduler-side call on the worker connector"
+        return self.scheduler
+
+    def _meta(self) -> KVCodecMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVCodecMetadata)
+        return meta
+
+
+def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig) -> Namespace:
+    """Everything that must match for two engines to share chunks (see keys.py)."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise ConfigError("KVCodecConnector does not support pipeline parallelism yet")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    dtype = str(model.dtype).removeprefix("torch.") if cache_dtype in (None, "auto") else str(cache_dtype)
+    groups = config.layer_groups(model.get_num_layers(parallel))
+    return Namespace(
+        model_id=config.model_id or f"{model.model}@{model.revision or ''}",
+        dtype=dtype,
+        num_layers=model.get_num_layers(parallel),
+        num_kv_heads=model.get_num_kv_heads(parallel),
+        head_dim=model.get_head_size(),
+        layout_id=CANONICAL_NAMESPACE,
+        tp_size=parallel.tensor_parallel_size,
+        chunk_size=config.chunk_size,
+        layers_per_object=len(groups[0]),
+        salt=config.salt,
+    )
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, ImportError, RuntimeError):
+        return 0

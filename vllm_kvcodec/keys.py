@@ -1,0 +1,67 @@
+"""Chunk keys: a hash chain over token ids inside a namespace.
+
+The namespace digests everything that makes two chunks' bytes incomparable:
+model identity, dtype, KV geometry, paged layout id, tensor-parallel rank and
+size, chunking, layer grouping and format version, plus an optional salt. A
+chunk's key covers the whole prefix up to it (``h_i = H(h_{i-1} || tokens_i)``),
+so equal keys mean equal prefixes. XXH3-128 over explicit little-endian bytes:
+stable across processes, machines and Python versions (no ``hash()``, no pickle).
+The tensor-parallel rank and the layer group are path parts of the object key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+from vllm_kvcodec.format import VERSION as FORMAT_VERSION
+
+KEY_PREFIX = "kvc"
+
+
+@dataclasses.dataclass(frozen=True)
+class Namespace:
+    model_id: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layout_id: str
+    tp_size: int
+    chunk_size: int
+    layers_per_object: int
+    salt: str = ""
+    format_version: int = FORMAT_VERSION
+
+    @functools.cached_property
+    def digest(self) -> str:
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return xxhash.xxh3_128_hexdigest(blob)
+
+
+def chunk_hashes(namespace: Namespace, token_ids: Sequence[int], num_chunks: int) -> list[str]:
+    """Hex keys of the first ``num_chunks`` full chunks of ``token_ids``."""
+    size = namespace.chunk_size
+    if num_chunks * size > len(token_ids):
+        raise ValueError(f"{num_chunks} chunks of {size} need {num_chunks * size} tokens, got {len(token_ids)}")
+    tokens = np.asarray(token_ids[: num_chunks * size], dtype="<i8")
+    prev = bytes.fromhex(namespace.digest)
+    out = []
+    for c in range(num_chunks):
+        prev = xxhash.xxh3_128_digest(prev + tokens[c * size : (c + 1) * size].tobytes())
+        out.append(prev.hex())
+    return out
+
+
+def object_key(namespace: Namespace, chunk_hash: str, tp_rank: int, group: int) -> str:
+    """Store key of one layer group of one rank's shard of one chunk.
+
+    ``kvc/<namespace>/<chunk>/r<rank>g<group>``: the chain is shared by all
+    tensor-parallel ranks (same tokens), the shard and layer group are not.
+    """
+    return f"{KEY_PREFIX}/{namespace.digest[:16]}/{chunk_hash}/r{tp_rank}g{group:03d}"

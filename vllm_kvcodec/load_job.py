@@ -1,0 +1,82 @@
+"""Bookkeeping of one load: which layer groups are in place, which blocks failed, cancellation.
+
+A load is a set of stored objects (chunk x layer group). Layers become ready
+group by group as their objects are scattered; a failed object does not block
+readiness (its blocks are reported, and vLLM recomputes them). Cancellation
+(the load timed out) waits for scatters in flight and forbids new ones, so a
+late thread can never write into blocks vLLM is already recomputing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class LoadJob:
+    def __init__(self, group_layers: list[list[int]], objects_per_group: int, req_ids: list[str]) -> None:
+        self.req_ids = req_ids
+        self.group_layers = group_layers
+        self._remaining = [objects_per_group] * len(group_layers)
+        self.layer_ready = {layer: threading.Event() for layers in group_layers for layer in layers}
+        self.done = threading.Event()
+        self.failed_blocks: set[int] = set()
+        self.failed_reqs: set[str] = set()
+        self.deadline = float("inf")
+        self._pending_blocks: dict[tuple[int, int], tuple[str, list[int]]] = {}
+        self._cond = threading.Condition()
+        self._writers = 0
+        self.cancelled = False
+        self.started = time.monotonic()
+        if objects_per_group == 0:
+            self._finish_all()
+
+    def expect(self, group: int, obj: int, req_id: str, block_ids: list[int]) -> None:
+        self._pending_blocks[(group, obj)] = (req_id, block_ids)
+
+    def begin_write(self) -> bool:
+        with self._cond:
+            if self.cancelled:
+                return False
+            self._writers += 1
+            return True
+
+    def end_write(self) -> None:
+        with self._cond:
+            self._writers -= 1
+            self._cond.notify_all()
+
+    def object_done(self, group: int, obj: int, ok: bool) -> None:
+        with self._cond:
+            req_id, blocks = self._pending_blocks.pop((group, obj), ("", []))
+            if not ok:
+                self._fail(req_id, blocks)
+            self._remaining[group] -= 1
+            if self._remaining[group] == 0:
+                for layer in self.group_layers[group]:
+                    self.layer_ready[layer].set()
+            if not any(self._remaining):
+                self.done.set()
+
+    def cancel(self) -> None:
+        """Give up: everything not yet scattered counts as failed; returns after writers drain."""
+        with self._cond:
+            self.cancelled = True
+            while self._writers:
+                self._cond.wait()
+            for req_id, blocks in self._pending_blocks.values():
+                self._fail(req_id, blocks)
+            self._pending_blocks.clear()
+        self._finish_all()
+
+    def _fail(self, req_id: str, blocks: list[int]) -> None:
+        self.failed_blocks.update(blocks)
+        self.failed_reqs.add(req_id)
+
+    def _finish_all(self) -> None:
+        for event in self.layer_ready.values():
+            event.set()
+        self.done.set()
+
+    def wait_layer(self, layer: int, deadline: float) -> bool:
+        return self.layer_ready[layer].wait(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,106 @@
+"""The save path after paged memory: background encode -> put, with bounded memory.
+
+``submit`` only queues a gathered chunk (already copied out of paged memory),
+so the engine never waits on encoding or the network. Queued raw bytes are
+capped; past the cap new chunks are dropped and counted (a dropped save is a
+future cache miss, never an error).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from storage import Store
+from vllm_kvcodec.codec_choice import CodecChooser
+from vllm_kvcodec.format import encode_chunk
+from vllm_kvcodec.keys import Namespace, object_key
+from vllm_kvcodec.stats import ConnectorStats
+
+logger = logging.getLogger("vllm_kvcodec")
+
+
+class Saver:
+    def __init__(
+        self,
+        store: Store,
+        namespace: Namespace,
+        tp_rank: int,
+        groups: list[range],
+        chooser: CodecChooser,
+        threads: int,
+        max_pending_bytes: int,
+        stats: ConnectorStats,
+    ) -> None:
+        self.store, self.namespace, self.tp_rank, self.groups = store, namespace, tp_rank, groups
+        self.chooser, self.stats, self.max_pending = chooser, stats, max_pending_bytes
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-save")
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._futures: set[Future] = set()
+
+    def submit(self, chunk_hash: str, kv: torch.Tensor) -> bool:
+        """Queue ``kv`` ``[layers, 2, chunk, heads, dim]`` for encoding and storing."""
+        nbytes = kv.numel() * kv.element_size()
+        with self._lock:
+            if self._pending + nbytes > self.max_pending:
+                self.stats.add(saves_dropped=1)
+                logger.warning("kvcodec: save queue full (%d bytes pending), dropping a chunk save", self._pending)
+                return False
+            self._pending += nbytes
+            future = self._pool.submit(self._encode_put, chunk_hash, kv, nbytes)
+            self._futures.add(future)
+        future.add_done_callback(self._forget)
+        return True
+
+    def _forget(self, future: Future) -> None:
+        with self._lock:
+            self._futures.discard(future)
+
+    def _encode_put(self, chunk_hash: str, kv: torch.Tensor, nbytes: int) -> None:
+        try:
+            t0 = time.perf_counter()
+            codec = self.chooser.codec_for(kv[: len(self.groups[0])])
+            items = [
+                (object_key(self.namespace, chunk_hash, self.tp_rank, g), encode_chunk(kv[layers.start : layers.stop], codec))
+                for g, layers in enumerate(self.groups)
+            ]
+            t1 = time.perf_counter()
+            self.store.put_many(items)
+            t2 = time.perf_counter()
+            stored = sum(len(v) for _, v in items)
+            self.chooser.observe_transfer(stored, t2 - t1)
+            self.stats.add(saved_chunks=1, saved_objects=len(items), saved_tokens=kv.shape[2],
+                           saved_bytes=stored, saved_raw_bytes=nbytes, encode_s=t1 - t0, put_s=t2 - t1,
+                           **{f"codec_{codec.codec_id}_saves": 1})
+        except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an engine error
+            self.stats.add(save_failures=1)
+            logger.warning("kvcodec: saving chunk %s failed: %s", chunk_hash[:12], exc)
+        finally:
+            with self._lock:
+                self._pending -= nbytes
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued saves (tests, benchmarks, shutdown); True if all finished."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                futures = list(self._futures)
+            if not futures:
+                return True
+            for f in futures:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    f.result(timeout=remaining)
+                except Exception:  # noqa: BLE001 - already counted in _encode_put
+                    pass
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self.flush(timeout)
+        self._pool.shutdown(wait=False, cancel_futures=True)
