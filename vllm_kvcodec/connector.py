@@ -13,6 +13,7 @@ OffloadingConnector); the halves share only :class:`~.metadata.KVCodecMetadata`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -39,11 +40,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm_kvcodec")
 _LIVE: "weakref.WeakSet[KVCodecConnector]" = weakref.WeakSet()
+_CREATED = itertools.count()
 
 
 def live_connectors() -> list["KVCodecConnector"]:
-    """Connectors alive in this process (tests and the demo read their stats)."""
-    return list(_LIVE)
+    """Connectors alive in this process, oldest first (tests and the demo read their stats)."""
+    return sorted(_LIVE, key=lambda c: c.created)
 
 
 class KVCodecConnector(KVConnectorBase_V1):
@@ -63,6 +65,7 @@ class KVCodecConnector(KVConnectorBase_V1):
             self.scheduler = SchedulerHalf(self.config, namespace, len(groups), namespace.tp_size, block_size)
         else:
             self.worker = WorkerHalf(vllm_config, self.config, namespace, groups, _tp_rank())
+        self.created = next(_CREATED)
         _LIVE.add(self)
 
     # ---- worker side ----------------------------------------------------------------

@@ -10,6 +10,7 @@ after which the load is abandoned and its blocks are reported for recompute.
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 import time
@@ -58,6 +59,7 @@ class WorkerHalf:
         self._failed_reqs: set[str] = set()  # this step's requests whose sync load failed
         self._async_jobs: dict[str, LoadJob] = {}
         self._load_errors: set[int] = set()
+        self.recent_loads: collections.deque = collections.deque(maxlen=64)  # for inspection and tests
         self._gathered: dict[int, torch.Tensor] = {}  # save index -> [layers, 2, chunk, heads, dim]
         self._gathered_layers: dict[int, int] = {}
         reuse_large_buffers()
@@ -89,6 +91,7 @@ class WorkerHalf:
     def start_load_kv(self, meta: KVCodecMetadata) -> None:
         assert self.fetcher is not None, "register_kv_caches was not called"
         timeout = self.config.load_timeout_s
+        self.recent_loads.extend(meta.loads)
         sync = [s for s in meta.loads if not s.is_async]
         if sync:
             self._sync_job = self.fetcher.submit(sync, timeout)
