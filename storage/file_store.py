@@ -1,0 +1,189 @@
+"""``file:///path`` — the embedded default store: a directory, no server.
+
+Layout: ``<root>/ab/cd/<32 hex>``, the hex being a BLAKE2b-128 hash of the key.
+Two levels of 256 directories keep every directory small at millions of
+objects, and a fixed-length hashed name fits any filesystem whatever the key
+(keys may be 512 characters, file names only 255 bytes). Each object file
+starts with a small header holding its key, so :meth:`keys` can list the
+original keys and a read can tell its object from a hash collision.
+
+Why this is safe for several processes on one host: a put writes a uniquely
+named temp file beside the target and ``os.replace``-s it into place, which is
+atomic, so a reader sees the old whole value or the new whole value, never a
+mix, and concurrent writers of one key leave one of their values whole. A reader
+that already opened a file keeps reading that version even if it is replaced or
+evicted meanwhile.
+
+Options (URL query): ``max_bytes`` caps the total size (``10GiB``, ``500MB``,
+``1e9``) with least-recently-used eviction (see :mod:`storage.file_cap`);
+``fsync=1`` makes puts durable across power loss at the cost of a flush each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import secrets
+import struct
+import threading
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from storage.base import Store
+from storage.errors import StoreError, StoreUnavailableError
+from storage.file_cap import SizeCap, object_files, stamp, unlink_quietly
+
+_MAGIC = b"KVS1"
+_HEADER = struct.Struct("<4sH")  # magic, key length; then the key, then the value
+
+
+def object_name(key: str) -> str:
+    """A stable file name for ``key``: same on every host and Python version."""
+    return hashlib.blake2b(key.encode("ascii"), digest_size=16).hexdigest()
+
+
+class FileStore(Store):
+    def __init__(self, root: str | os.PathLike[str], *, max_bytes: int | None = None, fsync: bool = False) -> None:
+        self._root = os.path.abspath(os.fspath(root))
+        super().__init__(_describe(self._root, max_bytes, fsync))
+        self._fsync = fsync
+        try:
+            os.makedirs(self._root, exist_ok=True)
+            self._cap = SizeCap(self._root, max_bytes) if max_bytes else None
+        except OSError as exc:
+            raise StoreUnavailableError(f"cannot open file store at {self._root}: {exc}") from exc
+
+    @property
+    def root(self) -> str:
+        return self._root
+
+    def _path(self, key: str) -> str:
+        name = object_name(key)
+        return os.path.join(self._root, name[:2], name[2:4], name)
+
+    def _get(self, key: str) -> bytes | None:
+        try:
+            # Unbuffered, so the value is read straight into the returned bytes (one copy).
+            with open(self._path(key), "rb", buffering=0) as f:
+                value = _read_object(f, key)
+                if value is not None and self._cap:
+                    stamp(f.fileno())
+                return value
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreUnavailableError(f"file store read of {key!r} failed: {exc}") from exc
+
+    def _put(self, key: str, value: memoryview) -> None:
+        header = _header(key)
+        size = len(header) + value.nbytes
+        if self._cap and size > self._cap.max_bytes:
+            raise StoreError(f"a {size}-byte object cannot fit a file store capped at {self._cap.max_bytes} bytes")
+        path = self._path(key)
+        tmp = _temp_name(path)
+        try:
+            self._write_temp(tmp, header, value)
+            self._publish(tmp, path, size)
+        except OSError as exc:
+            unlink_quietly(tmp)
+            raise StoreUnavailableError(f"file store write of {key!r} failed: {exc}") from exc
+
+    def _write_temp(self, tmp: str, header: bytes, value: memoryview) -> None:
+        try:
+            f = open(tmp, "xb")
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(tmp), exist_ok=True)
+            f = open(tmp, "xb")
+        with f:
+            f.write(header)
+            f.write(value)
+            f.flush()
+            if self._cap:
+                stamp(f.fileno())
+            if self._fsync:
+                os.fsync(f.fileno())
+
+    def _publish(self, tmp: str, path: str, size: int) -> None:
+        if self._cap:
+            self._cap.publish(tmp, path, size)
+        else:
+            os.replace(tmp, path)
+        if self._fsync:
+            _fsync_dir(os.path.dirname(path))
+
+    def _exists(self, key: str) -> bool:
+        return os.path.exists(self._path(key))
+
+    def _delete(self, key: str) -> None:
+        try:
+            if self._cap:
+                self._cap.remove(self._path(key))
+            else:
+                unlink_quietly(self._path(key))
+        except OSError as exc:
+            raise StoreUnavailableError(f"file store delete of {key!r} failed: {exc}") from exc
+
+    def _keys(self, prefix: str) -> Iterator[str]:
+        try:
+            for entry in object_files(self._root):
+                key = _read_key(entry.path)
+                if key is not None and key.startswith(prefix):
+                    yield key
+        except OSError as exc:
+            raise StoreUnavailableError(f"file store listing of {self._root} failed: {exc}") from exc
+
+    def _close(self) -> None:
+        if self._cap:
+            self._cap.close()
+
+
+def _header(key: str) -> bytes:
+    raw = key.encode("ascii")
+    return _HEADER.pack(_MAGIC, len(raw)) + raw
+
+
+def _read_object(f: io.FileIO, key: str) -> bytes | None:
+    """The value after the header, or None if the file holds another key (a hash collision)."""
+    stored = _read_header(f)
+    if stored is None:
+        raise StoreError(f"file store object {f.name!r} has no valid header (not written by this store?)")
+    return f.readall() if stored == key else None
+
+
+def _read_header(f: io.FileIO | BinaryIO) -> str | None:
+    head = f.read(_HEADER.size)
+    if len(head) != _HEADER.size:
+        return None
+    magic, length = _HEADER.unpack(head)
+    raw = f.read(length)
+    if magic != _MAGIC or len(raw) != length or not raw.isascii():
+        return None
+    return raw.decode("ascii")
+
+
+def _read_key(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return _read_header(f)
+    except FileNotFoundError:  # deleted or evicted while listing
+        return None
+
+
+def _temp_name(path: str) -> str:
+    head, name = os.path.split(path)
+    return os.path.join(head, f".{name}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}.tmp")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _describe(root: str, max_bytes: int | None, fsync: bool) -> str:
+    options = [f"max_bytes={max_bytes}"] if max_bytes else []
+    options += ["fsync=1"] if fsync else []
+    return f"file://{root}" + ("?" + "&".join(options) if options else "")
