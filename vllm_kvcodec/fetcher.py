@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -41,8 +42,10 @@ class Fetcher:
         adapters: list[PagedKVAdapter],
         threads: int,
         stats: ConnectorStats,
+        observe_transfer: Callable[[int, float], None] | None = None,
     ) -> None:
         self.store, self.namespace, self.tp_rank = store, namespace, tp_rank
+        self.observe_transfer = observe_transfer  # feeds the link estimate of codec "auto"
         self.groups, self.caches, self.adapters, self.stats = groups, caches, adapters, stats
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-fetch")
 
@@ -77,6 +80,8 @@ class Fetcher:
         if blob is None:
             raise LoadError(f"object {key} is missing")
         t1 = time.perf_counter()
+        if self.observe_transfer is not None:
+            self.observe_transfer(len(blob), t1 - t0)
         kv = decode_chunk(blob)
         t2 = time.perf_counter()
         layers = self.groups[group]

@@ -81,7 +81,7 @@ class WorkerHalf:
         ordered = [adapters[n] for n in names]
         self.caches, self.adapters = caches, ordered
         self.fetcher = Fetcher(self.store, self.namespace, self.tp_rank, self.groups, caches, ordered,
-                               self.config.fetch_threads, self.stats)
+                               self.config.fetch_threads, self.stats, self.chooser.observe_transfer)
         self.saver = Saver(self.store, self.namespace, self.tp_rank, self.groups, self.chooser,
                            self.config.save_threads, self.config.max_pending_save_bytes, self.stats)
         logger.info("kvcodec: %d KV layers in %d groups, layout %s, store %s, codec %s",

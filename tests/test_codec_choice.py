@@ -1,0 +1,35 @@
+"""codec "auto": raw on a fast link, the densest codec on a slow one, from measured figures."""
+
+from __future__ import annotations
+
+from vllm_kvcodec.codec_choice import CodecChooser
+
+
+def feed(chooser: CodecChooser, gbps: float) -> None:
+    for _ in range(40):  # enough samples for the moving average to settle
+        chooser.observe_transfer(8 << 20, (8 << 20) * 8 / (gbps * 1e9))
+
+
+def test_auto_follows_the_link(real_chunks) -> None:
+    chooser = CodecChooser("auto")
+    sample = real_chunks[0][:5]
+    feed(chooser, 0.5)
+    slow = chooser.codec_for(sample)
+    assert slow.codec_id == max(chooser.profile, key=lambda c: chooser.profile[c]["ratio"])
+    feed(chooser, 10_000)
+    assert chooser.codec_for(sample).codec_id == "raw"
+    assert abs(chooser.bandwidth_bytes_per_s * 8 / 1e9 - 10_000) / 10_000 < 0.01
+
+
+def test_fixed_codec_is_never_replaced(real_chunks) -> None:
+    chooser = CodecChooser({"id": "zstd", "level": 3})
+    feed(chooser, 10_000)
+    assert chooser.codec_for(real_chunks[0][:5]).get_config() == {"id": "zstd", "level": 3}
+    assert chooser.profile == {}
+
+
+def test_small_transfers_do_not_pose_as_bandwidth() -> None:
+    chooser = CodecChooser("auto", initial_gbps=10)
+    before = chooser.bandwidth_bytes_per_s
+    chooser.observe_transfer(100, 1.0)
+    assert chooser.bandwidth_bytes_per_s == before
