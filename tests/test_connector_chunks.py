@@ -1,0 +1,50 @@
+"""Chunks larger than a block: partial local hits, chunked prefill saves, keys across engines.
+
+float32, so tokens must equal a full recompute whatever mix of local hits,
+loads and computation served the prefix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine import connector_config, engine, greedy, worker_connector
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def text() -> list[int]:
+    from vllm_kvcodec.smollm2 import sample_token_ids
+
+    return sample_token_ids(1400)
+
+
+@pytest.fixture(scope="module")
+def recompute(text) -> dict[str, list[int]]:
+    with engine(dtype="float32", prefix_caching=False) as llm:
+        return {"600": greedy(llm, text[:600]), "1300": greedy(llm, text[:1300]), "1400": greedy(llm, text[:1400])}
+
+
+def test_chunk_of_two_blocks_with_a_partial_local_hit(text, recompute, tmp_path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    with engine(connector_config(url, "rans", chunk_size=256), dtype="float32") as llm:
+        conn = worker_connector()
+        # Longer than max_num_batched_tokens (512): its 5 chunks complete over 3 steps.
+        assert greedy(llm, text[:1300]) == recompute["1300"]
+        assert conn.flush(120) and conn.stats()["saved_chunks"] == 5
+        llm.reset_prefix_cache()
+        greedy(llm, text[:129], max_tokens=1)  # vLLM now holds block 0 locally; no full chunk to load
+        before = conn.stats().get("loaded_tokens", 0)
+        assert greedy(llm, text[:600]) == recompute["600"]
+        spec = conn.worker.recent_loads[-1]
+        assert spec.chunks[0].first_token == 128, "the locally cached block must not be loaded again"
+        assert conn.stats()["loaded_tokens"] - before == 512 - 128
+        # A fresh engine (new process state, same store) finds the chunks under the same keys.
+    with engine(connector_config(url, "rans", chunk_size=256), dtype="float32") as llm:
+        conn = worker_connector()
+        assert greedy(llm, text[:1400]) == recompute["1400"]
+        assert conn.stats()["loaded_tokens"] == 1280
+        slots = torch.tensor(conn.worker.recent_loads[-1].chunks[-1].slots)
+        assert slots.numel() == 256
