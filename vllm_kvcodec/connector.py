@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +67,7 @@ class KVCodecConnector(KVConnectorBase_V1):
         else:
             self.worker = WorkerHalf(vllm_config, self.config, namespace, groups, _tp_rank())
         self.created = next(_CREATED)
+        self._last_log = time.monotonic()
         _LIVE.add(self)
 
     # ---- worker side ----------------------------------------------------------------
@@ -92,8 +94,21 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVCodecTransferStats | None:
         half = self.worker or self.scheduler  # vLLM asks both sides
-        data = half.stats.take_interval() if half is not None else {}
+        if half is None:
+            return None
+        self._maybe_log(half)
+        data = half.stats.take_interval()
         return KVCodecTransferStats(data=data) if data else None
+
+    def _maybe_log(self, half: WorkerHalf | SchedulerHalf) -> None:
+        """One INFO line of totals every ``log_interval_s`` (vLLM only logs its stats with log_stats on)."""
+        now = time.monotonic()
+        interval = self.config.log_interval_s
+        if interval and now - self._last_log >= interval:
+            self._last_log = now
+            totals = summarize(half.stats.totals())
+            if totals:
+                logger.info("kvcodec %s: %s", self.role.name.lower(), ", ".join(f"{k}={v}" for k, v in totals.items()))
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVCodecTransferStats | None:
