@@ -44,8 +44,14 @@ def engine(kv_transfer_config: dict[str, Any] | None = None, dtype: str = "bfloa
     try:
         yield llm
     finally:
+        # Tear down now, not whenever the garbage collector gets to it: a late teardown
+        # destroys the process-wide distributed groups of the *next* engine.
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+        cleanup_dist_env_and_memory()
 
 
 def greedy(llm: Any, token_ids: list[int], max_tokens: int = 12) -> list[int]:
