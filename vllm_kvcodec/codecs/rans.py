@@ -51,7 +51,7 @@ class RansCodec(Codec):
         exps, signman = split(np.ascontiguousarray(bits).reshape(-1), dtype)
         exps3 = exps.reshape(channel_view(bits.shape))
         medians = channel_medians(exps3)
-        symbols = residuals(exps3, medians).reshape(-1)
+        symbols = shift_channels(exps3, medians, -1).reshape(-1)
         freqs = rk.quantize_frequencies(np.bincount(symbols, minlength=256))
         present = np.flatnonzero(freqs)
         table = np.empty(present.size, dtype=[("s", "u1"), ("f", "<u2")])
@@ -76,7 +76,7 @@ class RansCodec(Codec):
         symbols = np.empty(n, dtype=np.uint8)
         if not rk.decode(words, freqs, symbols):
             raise CodecError("rans stream is inconsistent (truncated, padded or corrupted)")
-        exps = restore_exponents(symbols.reshape(outer, tokens, inner), medians.reshape(outer, inner))
+        exps = shift_channels(symbols.reshape(outer, tokens, inner), medians.reshape(outer, inner), 1)
         return merge(exps.reshape(-1), signman, dtype).reshape(shape)
 
 
@@ -149,22 +149,12 @@ def channel_medians(exps: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def residuals(exps: np.ndarray, medians: np.ndarray) -> np.ndarray:
-    outer, tokens, inner = exps.shape
-    out = np.empty_like(exps)
+def shift_channels(values: np.ndarray, medians: np.ndarray, sign: int) -> np.ndarray:
+    """``(values + sign * median of the channel) mod 256``: -1 makes residuals, +1 restores exponents."""
+    outer, tokens, inner = values.shape
+    out = np.empty_like(values)
     for o in range(outer):
         for t in range(tokens):
             for i in range(inner):
-                out[o, t, i] = np.uint8((exps[o, t, i] - medians[o, i]) & 0xFF)
-    return out
-
-
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def restore_exponents(symbols: np.ndarray, medians: np.ndarray) -> np.ndarray:
-    outer, tokens, inner = symbols.shape
-    out = np.empty_like(symbols)
-    for o in range(outer):
-        for t in range(tokens):
-            for i in range(inner):
-                out[o, t, i] = np.uint8((symbols[o, t, i] + medians[o, i]) & 0xFF)
+                out[o, t, i] = np.uint8((np.int32(values[o, t, i]) + sign * np.int32(medians[o, i])) & 0xFF)
     return out
