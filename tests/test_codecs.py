@@ -118,3 +118,15 @@ def test_splitzip_payload_size_matches_paper_formula(real_chunks) -> None:
     n = bits.size
     escapes = (len(payload) - 20 - n - (n + 1) // 2) / 5
     assert escapes == int(escapes) and 0 <= escapes < 0.002 * n
+
+
+def test_rans_token_axis_is_a_stored_parameter(real_chunks) -> None:
+    """LMCache's layer-wise [tokens, 2, hidden] has its tokens first; the chunk says so."""
+    t2d = real_chunks[0][0].permute(1, 0, 2, 3).reshape(256, 2, 192).contiguous()
+    blob = assert_round_trip(t2d, get_codec("rans", token_axis=0))
+    from vllm_kvcodec.format import read_header
+
+    assert read_header(blob).codec_config == {"id": "rans", "token_axis": 0}
+    assert len(blob) < len(encode_chunk(t2d, "rans"))  # the right axis compresses better
+    with pytest.raises(ConfigError, match="token_axis"):
+        get_codec("rans", token_axis=-1)

@@ -10,10 +10,11 @@ are coded with a static rANS (:mod:`.rans_kernels`). Measured 1.51x on
 SmolLM2 KV, above the order-0 bound (1.467x) that SplitZip and zstd are held
 to.
 
-Channels: the tensor is viewed as ``[outer, tokens, inner]`` with the token
-axis at ``ndim - 3`` (axis 2 of the canonical ``[layers, 2, tokens, heads,
-dim]``), or axis 0 for tensors of fewer than 3 dims; a channel is one
-``(outer, inner)`` pair.
+Channels: the tensor is viewed as ``[outer, tokens, inner]``; a channel is
+one ``(outer, inner)`` pair. The token axis is the ``token_axis`` parameter
+(stored in the chunk's codec config when given); by default axis 2, as in the
+canonical ``[layers, 2, tokens, heads, dim]`` and LMCache's ``[2, layers,
+tokens, hidden]``, or axis 0 for tensors of fewer than 3 dims.
 
 Payload (little-endian; ``C`` channels, ``n`` elements, ``r`` sign+mantissa
 bytes per element: 1 for bfloat16, 3 for float32)::
@@ -39,7 +40,7 @@ from vllm_kvcodec.codecs.base import Codec
 from vllm_kvcodec.codecs.registry import register_codec
 from vllm_kvcodec.codecs.validate import Reader, expect_at_most
 from vllm_kvcodec.dtypes import DType
-from vllm_kvcodec.errors import CodecError
+from vllm_kvcodec.errors import CodecError, ConfigError
 
 
 @register_codec
@@ -47,9 +48,20 @@ class RansCodec(Codec):
     codec_id = "rans"
     dtypes = frozenset({DType.BFLOAT16, DType.FLOAT32})
 
+    def __init__(self, token_axis: int | None = None) -> None:
+        if token_axis is not None and (not isinstance(token_axis, int) or not 0 <= token_axis < 8):
+            raise ConfigError(f"rans token_axis must be an integer in [0, 8), got {token_axis!r}")
+        self.token_axis = token_axis
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        if self.token_axis is not None:
+            config["token_axis"] = self.token_axis
+        return config
+
     def encode(self, bits: np.ndarray, dtype: DType) -> bytes:
         exps, signman = split(np.ascontiguousarray(bits).reshape(-1), dtype)
-        exps3 = exps.reshape(channel_view(bits.shape))
+        exps3 = exps.reshape(channel_view(bits.shape, self.token_axis))
         medians = channel_medians(exps3)
         symbols = shift_channels(exps3, medians, -1).reshape(-1)
         freqs = rk.quantize_frequencies(np.bincount(symbols, minlength=256))
@@ -63,7 +75,7 @@ class RansCodec(Codec):
         )
 
     def decode(self, payload: memoryview, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
-        outer, tokens, inner = channel_view(shape)
+        outer, tokens, inner = channel_view(shape, self.token_axis)
         n = outer * tokens * inner
         reader = Reader(payload, "rans payload")
         medians = np.frombuffer(reader.take(outer * inner, "medians"), dtype=np.uint8)
@@ -80,9 +92,11 @@ class RansCodec(Codec):
         return merge(exps.reshape(-1), signman, dtype).reshape(shape)
 
 
-def channel_view(shape: tuple[int, ...]) -> tuple[int, int, int]:
+def channel_view(shape: tuple[int, ...], token_axis: int | None = None) -> tuple[int, int, int]:
     """``[outer, tokens, inner]`` for a shape (see the module docstring)."""
-    axis = len(shape) - 3 if len(shape) >= 3 else 0
+    axis = token_axis if token_axis is not None else (2 if len(shape) >= 3 else 0)
+    if axis >= len(shape):
+        raise CodecError(f"rans token_axis {axis} does not exist in a {len(shape)}-D chunk")
     outer = int(np.prod(shape[:axis], dtype=np.int64))
     inner = int(np.prod(shape[axis + 1 :], dtype=np.int64))
     return outer, int(shape[axis]), inner

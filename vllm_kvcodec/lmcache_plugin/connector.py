@@ -145,6 +145,13 @@ class KVCodecRemoteConnector(RemoteConnector):
 
     # -- codecs ----------------------------------------------------------------
 
+    def _codec_for_layout(self, fmt: MemoryFormat, dtype: torch.dtype) -> Codec:
+        """rans models channels along the token axis: LMCache's layer-wise [T, 2, hidden] has it first."""
+        codec = self._codec_for(dtype)
+        if codec.codec_id == "rans" and fmt == MemoryFormat.KV_T2D:
+            return get_codec({"id": "rans", "token_axis": 0})
+        return codec
+
     def _codec_for(self, dtype: torch.dtype, at_init: bool = False) -> Codec:
         codec = self._codecs.get(dtype)
         if codec is not None:
@@ -223,7 +230,7 @@ class KVCodecRemoteConnector(RemoteConnector):
         fmt = memory_obj.get_memory_format()
         tensors = self._group_tensors(memory_obj)
         self._check_layout(fmt, [t.shape for t in tensors], [t.dtype for t in tensors])
-        blobs = [encode_chunk(t, codec=self._codec_for(t.dtype)) for t in tensors]
+        blobs = [encode_chunk(t, codec=self._codec_for_layout(fmt, t.dtype)) for t in tensors]
         return envelope.pack(fmt.name, blobs), sum(t.numel() * t.element_size() for t in tensors)
 
     def _descriptors(self, namespaces: Sequence[Namespace]) -> list[tuple[str, bytes]]:
