@@ -38,13 +38,36 @@ def bench_stores(
     stores.run(output, redis_url=redis_url)
 
 
-@app.command()
-def demo(tokens: int = typer.Option(2048, help="Tokens of real KV to compress.")) -> None:
-    """Compress real SmolLM2 KV with every codec, verify bit-exactness, print ratio and speed."""
-    from vllm_kvcodec.bench import codecs
+@bench_app.command("ttft")
+def bench_ttft(
+    output: Path = typer.Option(RESULTS / "ttft.json", help="JSON file to write."),
+    codec: Optional[list[str]] = typer.Option(None, "--codec", help="Codec(s) to measure (repeatable; default raw, zstd, splitzip, rans, auto)."),
+    gbps: Optional[list[float]] = typer.Option(None, "--gbps", help="Link speed(s) in Gbit/s (repeatable; default 1, 10, 100)."),
+    rtt_ms: float = typer.Option(0.2, help="Round-trip time of the emulated link."),
+    prefix_tokens: int = typer.Option(4096, help="Tokens of the stored shared prefix."),
+    suffix_tokens: int = typer.Option(64, help="Tokens of the new suffix computed after the load."),
+    repeats: int = typer.Option(3, help="Timed requests per codec and link (the median is reported)."),
+    video: bool = typer.Option(False, "--video", help="Also measure the video codec (slow to encode)."),
+    quick: bool = typer.Option(False, "--quick", help="raw, rans and auto only, 2 repeats."),
+) -> None:
+    """TTFT of a 4k-token prefix loaded through the connector per codec at 1/10/100 Gbit/s vs recompute."""
+    from vllm_kvcodec.bench import ttft
 
-    result = codecs.run(None, tokens=tokens, repeats=1)
-    if not all(r["bit_exact"] for r in result["results"]):
+    ttft.run(output, codecs=codec or None, gbps=gbps or None, rtt_ms=rtt_ms, prefix_tokens=prefix_tokens,
+             suffix_tokens=suffix_tokens, repeats=repeats, video=video, quick=quick)
+
+
+@app.command()
+def demo(
+    codec: str = typer.Option("rans", help="Codec to save with: raw, zstd, splitzip, rans, video or auto."),
+    tokens: int = typer.Option(2048, help="Tokens of real text in the shared prompt prefix."),
+    store: Optional[str] = typer.Option(None, help="Store URL (default: a fresh temporary file store, removed afterwards)."),
+) -> None:
+    """Two vLLM engines share a long prompt's prefix through the store: TTFT cold vs warm, bytes, exact tokens."""
+    from vllm_kvcodec import demo as demo_mod
+
+    result = demo_mod.run(codec=codec, tokens=tokens, store=store)
+    if not result["ok"]:
         raise typer.Exit(1)
 
 
