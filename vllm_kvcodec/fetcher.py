@@ -27,6 +27,11 @@ from vllm_kvcodec.stats import ConnectorStats
 logger = logging.getLogger("vllm_kvcodec")
 
 
+def _one_torch_thread() -> None:
+    """Parallelism comes from the fetch threads; intra-op threads would fight the engine for cores."""
+    torch.set_num_threads(1)
+
+
 class LoadError(Exception):
     """A stored object could not be used; its blocks are recomputed."""
 
@@ -47,7 +52,7 @@ class Fetcher:
         self.store, self.namespace, self.tp_rank = store, namespace, tp_rank
         self.observe_transfer = observe_transfer  # feeds the link estimate of codec "auto"
         self.groups, self.caches, self.adapters, self.stats = groups, caches, adapters, stats
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-fetch")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-fetch", initializer=_one_torch_thread)
 
     def submit(self, specs: list[LoadSpec], timeout_s: float) -> LoadJob:
         chunks = [(spec, chunk) for spec in specs for chunk in spec.chunks]

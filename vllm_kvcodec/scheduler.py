@@ -10,6 +10,7 @@ including chunks completed across several steps of a chunked prefill.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm_kvcodec")
+RECENT_SAVES = 1 << 16  # chunk hashes remembered for de-duplicating saves (about 2 MB)
 
 
 @dataclasses.dataclass
@@ -54,6 +56,9 @@ class SchedulerHalf:
         self.stats = ConnectorStats()
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: list[LoadSpec] = []
+        # Chunks recently handed to the worker for saving: a burst of requests sharing a new
+        # prefix looks it up before the first save lands, and must not encode and put it again.
+        self._recently_saved: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     # ---- lookup ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -157,10 +162,21 @@ class SchedulerHalf:
         ready = min(done // self.chunk, len(tracked.hashes))
         saves = []
         for c in range(tracked.next_save, ready):
-            slots = self._slots(tracked.block_ids, c * self.chunk, (c + 1) * self.chunk)
-            saves.append(SaveSpec(req_id, tracked.hashes[c], slots))
+            if self._claim_save(tracked.hashes[c]):
+                slots = self._slots(tracked.block_ids, c * self.chunk, (c + 1) * self.chunk)
+                saves.append(SaveSpec(req_id, tracked.hashes[c], slots))
         tracked.next_save = max(tracked.next_save, ready)
         return saves
+
+    def _claim_save(self, chunk_hash: str) -> bool:
+        if chunk_hash in self._recently_saved:
+            self._recently_saved.move_to_end(chunk_hash)
+            self.stats.add(saves_deduplicated=1)
+            return False
+        self._recently_saved[chunk_hash] = None
+        if len(self._recently_saved) > RECENT_SAVES:
+            self._recently_saved.popitem(last=False)
+        return True
 
     def request_finished(self, request: "Request") -> None:
         self._requests.pop(request.request_id, None)

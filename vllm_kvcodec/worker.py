@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import re
 import time
 from typing import TYPE_CHECKING, Any
@@ -50,7 +51,7 @@ class WorkerHalf:
         self.vllm_config, self.config, self.namespace = vllm_config, config, namespace
         self.groups, self.tp_rank = groups, tp_rank
         self.stats = ConnectorStats()
-        self.chooser = CodecChooser(config.codec)
+        self.chooser = CodecChooser(config.codec, decoders=min(config.fetch_threads, os.cpu_count() or 1))
         self.store = open_store(config.store)
         self.fetcher: Fetcher | None = None
         self.saver: Saver | None = None
