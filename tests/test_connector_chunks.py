@@ -48,3 +48,15 @@ def test_chunk_of_two_blocks_with_a_partial_local_hit(text, recompute, tmp_path)
         assert conn.stats()["loaded_tokens"] == 1280
         slots = torch.tensor(conn.worker.recent_loads[-1].chunks[-1].slots)
         assert slots.numel() == 256
+
+
+def test_burst_sharing_a_new_prefix_saves_it_once(text, tmp_path) -> None:
+    from vllm import SamplingParams
+
+    url = f"file://{tmp_path / 'store'}"
+    with engine(connector_config(url, "splitzip", chunk_size=256), dtype="float32") as llm:
+        conn = worker_connector()
+        burst = [{"prompt_token_ids": text[:600] + [11 + i] * 20} for i in range(3)]
+        llm.generate(burst, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+        assert conn.flush(120)
+        assert conn.stats()["saved_chunks"] == 2  # chunks 0 and 1 of the shared 600 tokens, once
