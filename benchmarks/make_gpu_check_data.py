@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""Write the real-KV input of the GPU device check: ``benchmarks/data/realkv.pt``.
+
+Run on the development machine (it needs the project's model fixture, numba
+and, for the video part, PyAV):
+
+    .venv/bin/python benchmarks/make_gpu_check_data.py
+
+The file is generated: keep it out of git. It holds (``torch.load(...,
+weights_only=True)``):
+
+* ``kv``: SmolLM2-135M K/V on 1024 tokens, ``real_kv(1024)``: bf16 ``[30, 2, 1024, 3, 64]`` (23.6 MB);
+* ``splitzip``: for the whole tensor and its four 256-token chunks, the SHA-256
+  and length of the CPU codec's payload and of ``encode_chunk(chunk, "splitzip")``
+  (the device compares its own bytes against these; no numba needed there);
+* ``video``: ``encode_chunk(kv[:, :, :256], "video")`` (HEVC, x265 lossless) as a
+  uint8 tensor, with its payload offset/length and shape (so the device needs
+  no chunk-format imports), for the NVDEC check (absent if PyAV is missing here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_OUT = ROOT / "benchmarks" / "data" / "realkv.pt"
+
+
+def _digest(data: bytes) -> dict:
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--tokens", type=int, default=1024)
+    args = parser.parse_args(argv)
+
+    import numpy as np
+    import torch
+
+    from vllm_kvcodec.codecs.splitzip import SplitZipCodec
+    from vllm_kvcodec.dtypes import DType
+    from vllm_kvcodec.format import encode_chunk
+    from vllm_kvcodec.smollm2 import real_kv
+
+    t0 = time.perf_counter()
+    kv = real_kv(args.tokens).contiguous()
+    codec = SplitZipCodec()
+
+    def bits(t: torch.Tensor) -> np.ndarray:
+        return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+    splitzip = {"full": {"payload": _digest(codec.encode(bits(kv), DType.BFLOAT16)),
+                         "chunk": _digest(encode_chunk(kv, "splitzip"))}}
+    for i, chunk in enumerate(kv.split(256, dim=2)):
+        chunk = chunk.contiguous()
+        splitzip[f"chunk{i}"] = {"payload": _digest(codec.encode(bits(chunk), DType.BFLOAT16)),
+                                 "chunk": _digest(encode_chunk(chunk, "splitzip")),
+                                 "tokens": [256 * i, 256 * (i + 1)]}
+    data = {"kv": kv, "splitzip": splitzip, "meta": {"source": "vllm_kvcodec.smollm2.real_kv", "tokens": args.tokens}}
+    try:
+        from vllm_kvcodec.format import read_header
+
+        blob = encode_chunk(kv[:, :, :256].contiguous(), "video")  # backend hevc, verified on encode
+        head = read_header(blob)
+        data["video"] = {"blob": torch.frombuffer(bytearray(blob), dtype=torch.uint8), "tokens": [0, 256],
+                         "backend": "hevc", "payload_offset": head.payload_offset,
+                         "payload_length": head.payload_length, "shape": list(head.shape)}
+    except Exception as exc:  # noqa: BLE001 - PyAV missing: the device check reports the NVDEC part as skipped
+        print(f"no video chunk ({type(exc).__name__}: {exc})")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(data, args.out)
+    size = args.out.stat().st_size
+    print(f"wrote {args.out} ({size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
