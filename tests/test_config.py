@@ -14,7 +14,11 @@ from vllm_kvcodec.errors import ConfigError
 def test_defaults_are_lossless_and_need_no_server() -> None:
     config = ConnectorConfig.from_extra_config(None)
     assert config.store.startswith("file://")
-    assert config.codec == "rans" and config.chunk_size == 256 and config.load_mode == "sync"
+    assert config.codec is None and config.chunk_size == 256 and config.load_mode == "sync"
+    from vllm_kvcodec.dtypes import DType
+    from vllm_kvcodec.format import default_codec_for
+
+    assert default_codec_for(DType.BFLOAT16) == "rans" and default_codec_for(DType.FLOAT16) == "zstd"
 
 
 @pytest.mark.parametrize(

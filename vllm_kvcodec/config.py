@@ -14,8 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from vllm_kvcodec.cache_dir import cache_dir
 from vllm_kvcodec.errors import ConfigError
 
-DEFAULT_CODEC = "rans"
-
 
 def default_store_url() -> str:
     """The embedded default: a file store in the user's cache directory, no server."""
@@ -28,7 +26,7 @@ class ConnectorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     store: str = Field(default_factory=default_store_url, description="Store URL: file:///path, redis://host:port/db, rediss://..., memory://name.")
-    codec: str | dict[str, Any] = Field(DEFAULT_CODEC, description="Codec id or config dict (raw, zstd, splitzip, rans, video), or 'auto' to pick by measured link and codec speed.")
+    codec: str | dict[str, Any] | None = Field(None, description="Codec id or config dict (raw, zstd, splitzip, rans, video), 'auto' to pick by measured link and codec speed, or null for the densest codec the model's dtype allows (rans; zstd for float16).")
     chunk_size: int = Field(256, gt=0, description="Tokens per stored chunk; a multiple of vLLM's block_size.")
     layers_per_object: int = Field(0, ge=0, description="Layers per stored object so loads stream layer group by layer group; 0 picks about 6 groups.")
     load_mode: Literal["sync", "async"] = Field("sync", description="sync: prefill of the suffix waits per layer; async: the request waits aside (WAITING_FOR_REMOTE_KVS) until its prefix is loaded.")
@@ -53,8 +51,8 @@ class ConnectorConfig(BaseModel):
 
     @field_validator("codec")
     @classmethod
-    def _known_codec(cls, codec: str | dict[str, Any]) -> str | dict[str, Any]:
-        if codec == "auto":
+    def _known_codec(cls, codec: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if codec is None or codec == "auto":
             return codec
         from vllm_kvcodec.codecs import get_codec
 

@@ -29,7 +29,8 @@ MAX_NDIM = 8
 MAX_CONFIG_BYTES = 4096
 # 2**31 elements (4 GiB of bf16) per chunk: far above any sane chunk, far below what breaks int math.
 MAX_ELEMENTS = 1 << 31
-DEFAULT_CODEC = "splitzip"
+DEFAULT_CODEC = "rans"  # the densest bit-exact codec; float16 falls back to FALLBACK_CODEC
+FALLBACK_CODEC = "zstd"
 
 _FIXED = struct.Struct("<4sHBBHHQ")  # magic, version, dtype, ndim, config_len, flags, payload_len
 _CHECKSUM = struct.Struct("<Q")
@@ -56,17 +57,31 @@ class ChunkHeader:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-def encode_chunk(kv: torch.Tensor, codec: str | dict[str, Any] | Codec = DEFAULT_CODEC, **params: Any) -> bytes:
-    """Encode one KV chunk (any shape, bf16/fp16/fp32) into a self-describing blob."""
-    coder = get_codec(codec, **params)
+def default_codec_for(dtype: DType) -> str:
+    """The best lossless codec that can represent ``dtype``."""
+    return DEFAULT_CODEC if get_codec(DEFAULT_CODEC).supports(dtype) else FALLBACK_CODEC
+
+
+def encode_chunk(kv: torch.Tensor, codec: str | dict[str, Any] | Codec | None = None, **params: Any) -> bytes:
+    """Encode one KV chunk (any shape, bf16/fp16/fp32) into a self-describing blob.
+
+    ``codec=None`` picks :func:`default_codec_for` the tensor's dtype.
+    """
     bits, dtype = tensor_to_bits(kv)
+    coder = get_codec(codec if codec is not None else default_codec_for(dtype), **params)
     coder.check_dtype(dtype)
     _check_shape(tuple(bits.shape))
-    config = _dump_config(coder.get_config())
-    payload = coder.encode(bits, dtype)
+    return build_chunk(coder.encode(bits, dtype), dtype, tuple(bits.shape), coder.get_config())
+
+
+def build_chunk(payload: bytes | memoryview, dtype: DType, shape: tuple[int, ...], codec_config: dict[str, Any]) -> bytes:
+    """Wrap a codec payload made elsewhere (a GPU encoder, say) in header and checksum."""
+    _check_shape(shape)
+    config = _dump_config(codec_config)
+    payload = memoryview(payload).cast("B")
     head = b"".join((
-        _FIXED.pack(MAGIC, VERSION, int(dtype), bits.ndim, len(config), 0, len(payload)),
-        struct.pack(f"<{bits.ndim}I", *bits.shape),
+        _FIXED.pack(MAGIC, VERSION, int(dtype), len(shape), len(config), 0, len(payload)),
+        struct.pack(f"<{len(shape)}I", *shape),
         config,
     ))
     digest = xxhash.xxh3_64(head)
@@ -164,5 +179,5 @@ def _load_config(raw: memoryview) -> dict[str, Any]:
 
 __all__ = [
     "ChunkFormatError", "ChunkHeader", "DEFAULT_CODEC", "KVCodecError", "MAGIC", "VERSION",
-    "decode_chunk", "encode_chunk", "read_header", "verify_checksum",
+    "build_chunk", "decode_chunk", "encode_chunk", "read_header", "verify_checksum",
 ]

@@ -22,7 +22,9 @@ import torch
 from storage import open_store
 from vllm_kvcodec.codec_choice import CodecChooser
 from vllm_kvcodec.config import ConnectorConfig
+from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
+from vllm_kvcodec.format import default_codec_for
 from vllm_kvcodec.fetcher import Fetcher
 from vllm_kvcodec.keys import Namespace
 from vllm_kvcodec.load_job import LoadJob
@@ -51,7 +53,10 @@ class WorkerHalf:
         self.vllm_config, self.config, self.namespace = vllm_config, config, namespace
         self.groups, self.tp_rank = groups, tp_rank
         self.stats = ConnectorStats()
-        self.chooser = CodecChooser(config.codec, decoders=min(config.fetch_threads, os.cpu_count() or 1))
+        codec = config.codec if config.codec is not None else default_codec_for(DType.parse(namespace.dtype))
+        self.chooser = CodecChooser(codec, decoders=min(config.fetch_threads, os.cpu_count() or 1))
+        if self.chooser.fixed is not None:
+            self.chooser.fixed.check_dtype(DType.parse(namespace.dtype))  # fail at start-up, not on every save
         self.store = open_store(config.store)
         self.fetcher: Fetcher | None = None
         self.saver: Saver | None = None
@@ -86,7 +91,7 @@ class WorkerHalf:
         self.saver = Saver(self.store, self.namespace, self.tp_rank, self.groups, self.chooser,
                            self.config.save_threads, self.config.max_pending_save_bytes, self.stats)
         logger.info("kvcodec: %d KV layers in %d groups, layout %s, store %s, codec %s",
-                    len(names), len(self.groups), ordered[0].layout_id, _redact(self.config.store), self.config.codec)
+                    len(names), len(self.groups), ordered[0].layout_id, _redact(self.config.store), self.chooser.fixed or "auto")
 
     # ---- load -----------------------------------------------------------------------
     def start_load_kv(self, meta: KVCodecMetadata) -> None:

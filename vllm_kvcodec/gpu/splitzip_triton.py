@@ -652,7 +652,6 @@ class SplitZipGPU:
         if kv.dtype != torch.bfloat16:
             return fmt.encode_chunk(kv, self.codec_id)
         shape = tuple(int(d) for d in kv.shape)
-        fmt._check_shape(shape)
         payload = self.encode(kv).cpu().numpy()
         return build_chunk(payload, shape)
 
@@ -675,21 +674,10 @@ class SplitZipGPU:
 
 def build_chunk(payload: np.ndarray | bytes, shape: tuple[int, ...]) -> bytes:
     """A ``format`` chunk blob around a bfloat16 ``splitzip`` payload (what ``encode_chunk`` writes)."""
-    import xxhash
-
     from vllm_kvcodec import format as fmt
     from vllm_kvcodec.dtypes import DType
 
-    payload_view = memoryview(payload).cast("B")
-    config = fmt._dump_config({"id": "splitzip"})
-    head = b"".join((
-        fmt._FIXED.pack(fmt.MAGIC, fmt.VERSION, int(DType.BFLOAT16), len(shape), len(config), 0, len(payload_view)),
-        struct.pack(f"<{len(shape)}I", *shape),
-        config,
-    ))
-    digest = xxhash.xxh3_64(head)
-    digest.update(payload_view)
-    return b"".join((head, payload_view, fmt._CHECKSUM.pack(digest.intdigest())))
+    return fmt.build_chunk(memoryview(payload).cast("B"), DType.BFLOAT16, shape, {"id": "splitzip"})
 
 
 __all__ = [
