@@ -41,7 +41,6 @@ class _Tracked:
     block_ids: list[int] = dataclasses.field(default_factory=list)
     next_save: int = 0  # first chunk not yet handed to the worker for saving
     computed: int = 0  # tokens computed before the current step
-    load: LoadSpec | None = None
 
 
 class SchedulerHalf:
@@ -109,10 +108,8 @@ class SchedulerHalf:
         if num_external_tokens <= 0:
             return
         start = tracked.local_tokens
-        spec = LoadSpec(request.request_id, self._chunk_loads(tracked, start, start + num_external_tokens),
-                        is_async=self.config.load_mode == "async")
-        tracked.load = spec
-        self._pending_loads.append(spec)
+        chunks = self._chunk_loads(tracked, start, start + num_external_tokens)
+        self._pending_loads.append(LoadSpec(request.request_id, chunks, is_async=self.config.load_mode == "async"))
 
     def _chunk_loads(self, tracked: _Tracked, start: int, end: int) -> list[ChunkLoad]:
         loads = []

@@ -15,7 +15,7 @@ import logging
 import os
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,7 +29,7 @@ from vllm_kvcodec.fetcher import Fetcher
 from vllm_kvcodec.keys import Namespace
 from vllm_kvcodec.load_job import LoadJob
 from vllm_kvcodec.malloc_tuning import reuse_large_buffers
-from vllm_kvcodec.metadata import KVCodecMetadata, SaveSpec
+from vllm_kvcodec.metadata import KVCodecMetadata
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, adapters_for, shared_kv_layers
 from vllm_kvcodec.saver import Saver
 from vllm_kvcodec.stats import ConnectorStats
