@@ -145,7 +145,9 @@ def _decode_bf16(codebook: np.ndarray, codes: np.ndarray, signman: np.ndarray, n
     if n & 1:
         signman = np.append(signman, np.uint8(0))
     words = np.empty(n_pairs, dtype=np.uint32)
-    k.decode_pairs_bf16(codes, signman, pair_lut, words)
+    quads = n_pairs // 4  # little-endian wide loads: byte order is the stream order
+    k.decode_quads_bf16(codes[: 4 * quads].view("<u4"), signman[: 8 * quads].view("<u8"), pair_lut, words[: 4 * quads])
+    k.decode_pairs_bf16(codes[4 * quads :], signman[8 * quads :], pair_lut, words[4 * quads :])
     return words.view(np.uint16)[:n]
 
 
