@@ -33,3 +33,51 @@ def test_bench_codecs_writes_json(tmp_path) -> None:
 def test_unknown_command_fails_cleanly() -> None:
     done = kvcodec("frobnicate")
     assert done.returncode != 0 and "No such command" in (done.stderr + done.stdout)
+
+
+def _stored(tmp_path):
+    """A file store holding two real chunks the way the connector stores them."""
+    from storage import open_store
+    from vllm_kvcodec.format import encode_chunk
+    from vllm_kvcodec.smollm2 import real_kv
+
+    url = f"file://{tmp_path / 'store'}"
+    kv = real_kv(1024)
+    with open_store(url) as store:
+        store.put("kvc/ns1/aaaa/r0g000", encode_chunk(kv[:5, :, :256], "rans"))
+        store.put("kvc/ns1/bbbb/r0g000", encode_chunk(kv[:5, :, 256:512], "splitzip"))
+        store.put("other/key", b"not ours")
+    return url
+
+
+def test_inspect_and_verify_a_store(tmp_path) -> None:
+    from storage import open_store
+
+    url = _stored(tmp_path)
+    done = kvcodec("inspect", url)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rans: 1" in done.stdout and "splitzip: 1" in done.stdout
+    assert kvcodec("verify", url).returncode == 0
+    with open_store(url) as store:
+        blob = bytearray(store.get("kvc/ns1/bbbb/r0g000"))
+        blob[100] ^= 1
+        store.put("kvc/ns1/bbbb/r0g000", bytes(blob))
+    done = kvcodec("verify", url, "--delete")
+    assert done.returncode == 1 and "checksum mismatch" in done.stdout
+    assert kvcodec("verify", url).returncode == 0  # the damaged object is gone
+    with open_store(url) as store:
+        assert store.get("other/key") == b"not ours"  # only connector objects are touched
+
+
+def test_config_prints_valid_json_or_a_clear_error() -> None:
+    done = kvcodec("config", "--store", "redis://127.0.0.1:6379/0", "--codec", "splitzip")
+    assert done.returncode == 0
+    cfg = json.loads(done.stdout)
+    assert cfg["kv_connector_extra_config"] == {"chunk_size": 256, "load_mode": "sync", "store": "redis://127.0.0.1:6379/0", "codec": "splitzip"}
+    bad = kvcodec("config", "--codec", "gzip")
+    assert bad.returncode == 2 and "unknown codec 'gzip'" in bad.stderr
+
+
+def test_inspect_of_a_bad_url_fails_cleanly() -> None:
+    done = kvcodec("inspect", "s3://nowhere")
+    assert done.returncode == 2 and "error" in done.stdout

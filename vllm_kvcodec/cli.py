@@ -58,6 +58,84 @@ def bench_ttft(
 
 
 @app.command()
+def inspect(store: str = typer.Argument(..., help="Store URL, e.g. redis://host:6379/0 or file:///path.")) -> None:
+    """Namespaces, chunk and object counts, bytes stored vs raw, average ratio and codecs in a store."""
+    from rich.progress import Progress
+
+    from storage import StoreError, open_store
+    from vllm_kvcodec.bench.report import console, table
+    from vllm_kvcodec.store_tools import inspect_store
+
+    try:
+        with open_store(store) as s, Progress(console=console, transient=True) as bar:
+            task = bar.add_task("reading chunk headers", total=None)
+            summary = inspect_store(s, lambda: bar.advance(task))
+    except (StoreError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    table(f"{s.url}", ["what", "value"], [
+        ["objects", summary.objects], ["chunks", len(summary.chunks)], ["namespaces", len(summary.namespaces)],
+        ["stored bytes", summary.stored_bytes], ["raw bytes", summary.raw_bytes],
+        ["average ratio", f"{summary.ratio:.3f}"], ["damaged", summary.damaged],
+        ["codecs", ", ".join(f"{c}: {n}" for c, n in summary.codecs.most_common()) or "-"],
+    ])
+    if summary.damaged:
+        raise typer.Exit(1)
+
+
+@app.command()
+def verify(
+    store: str = typer.Argument(..., help="Store URL."),
+    delete: bool = typer.Option(False, "--delete", help="Delete damaged objects (vLLM recomputes them on the next miss)."),
+) -> None:
+    """Re-check every stored chunk (checksum, header, codec payload); exit 1 if any is damaged."""
+    from rich.progress import Progress
+
+    from storage import StoreError, open_store
+    from vllm_kvcodec.bench.report import console
+    from vllm_kvcodec.store_tools import verify_store
+
+    try:
+        with open_store(store) as s, Progress(console=console, transient=True) as bar:
+            task = bar.add_task("verifying chunks", total=None)
+            damaged = verify_store(s, delete=delete, progress=lambda: bar.advance(task))
+    except (StoreError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    for key, reason in damaged:
+        console.print(f"damaged{' (deleted)' if delete else ''}: {key}: {reason}")
+    console.print(f"{len(damaged)} damaged object(s)")
+    if damaged:
+        raise typer.Exit(1)
+
+
+@app.command()
+def config(
+    store: Optional[str] = typer.Option(None, help="Store URL (default: the embedded file store)."),
+    codec: Optional[str] = typer.Option(None, help="Codec id or 'auto' (default: the densest for the model's dtype)."),
+    chunk_size: int = typer.Option(256, help="Tokens per chunk; a multiple of vLLM's block size."),
+    load_mode: str = typer.Option("sync", help="sync or async."),
+) -> None:
+    """Print a validated --kv-transfer-config JSON for `vllm serve`."""
+    import json
+
+    from vllm_kvcodec.config import ConnectorConfig
+    from vllm_kvcodec.errors import ConfigError
+
+    extra = {"chunk_size": chunk_size, "load_mode": load_mode}
+    extra.update({k: v for k, v in {"store": store, "codec": codec}.items() if v is not None})
+    try:
+        ConnectorConfig.from_extra_config(extra)
+    except ConfigError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps({
+        "kv_connector": "KVCodecConnector", "kv_connector_module_path": "vllm_kvcodec.connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra,
+    }))
+
+
+@app.command()
 def demo(
     codec: str = typer.Option("rans", help="Codec to save with: raw, zstd, splitzip, rans, video or auto."),
     tokens: int = typer.Option(2048, help="Tokens of real text in the shared prompt prefix."),
