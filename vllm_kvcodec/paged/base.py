@@ -252,6 +252,16 @@ class PagedKVAdapter(abc.ABC):
                 )
         return slots
 
+    def _check_logical_bhn2d(self, c: torch.Tensor) -> None:
+        """The logical ``[num_blocks, kv_heads, block_size, 2*head_size]`` view CPU_ATTN and packed layouts share."""
+        g = self.geometry
+        want = (g.num_kv_heads, g.block_size, 2 * g.head_size)
+        if c.dim() != 4 or tuple(c.shape[1:]) != want:
+            raise PagedLayoutError(
+                f"{self.layout_id}: expected a [num_blocks, {want[0]}, {want[1]}, {want[2]}] "
+                f"KV cache, got {tuple(c.shape)}"
+            )
+
     def _split(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bs = self.geometry.block_size
         return torch.div(slots, bs, rounding_mode="floor"), torch.remainder(slots, bs)

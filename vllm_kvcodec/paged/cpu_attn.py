@@ -69,13 +69,8 @@ class _CpuAttnAdapter(PagedKVAdapter):
         return layer_cache.shape[0]
 
     def _check_shape(self, c: torch.Tensor) -> None:
+        self._check_logical_bhn2d(c)
         g = self.geometry
-        want = (g.num_kv_heads, g.block_size, 2 * g.head_size)
-        if c.dim() != 4 or tuple(c.shape[1:]) != want:
-            raise PagedLayoutError(
-                f"{self.layout_id}: expected a [num_blocks, {want[0]}, {want[1]}, {want[2]}] "
-                f"KV cache, got {tuple(c.shape)}"
-            )
         if c.stride(3) != 1 or c.stride(2) != 2 * g.head_size:
             raise PagedLayoutError(
                 f"{self.layout_id}: each (block, head) page must be dense "

@@ -53,13 +53,7 @@ class PackedKVAdapter(PagedKVAdapter):
         return layer_cache.shape[0]
 
     def _check_shape(self, c: torch.Tensor) -> None:
-        g = self.geometry
-        want = (g.num_kv_heads, g.block_size, 2 * g.head_size)
-        if c.dim() != 4 or tuple(c.shape[1:]) != want:
-            raise PagedLayoutError(
-                f"{self.layout_id}: expected a [num_blocks, {want[0]}, {want[1]}, {want[2]}] "
-                f"KV cache, got {tuple(c.shape)}"
-            )
+        self._check_logical_bhn2d(c)
 
     def _gather(self, c: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
         blk, off = self._split(slots)
