@@ -18,7 +18,7 @@ import torch
 
 from storage import Store
 from vllm_kvcodec.format import decode_chunk, read_header
-from vllm_kvcodec.keys import Namespace, object_key
+from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.load_job import LoadJob
 from vllm_kvcodec.metadata import ChunkLoad, LoadSpec
 from vllm_kvcodec.paged import PagedKVAdapter
@@ -40,18 +40,16 @@ class Fetcher:
     def __init__(
         self,
         store: Store,
-        namespace: Namespace,
-        tp_rank: int,
-        groups: list[range],
+        addresses: ObjectAddresses,
         caches: list[torch.Tensor],
         adapters: list[PagedKVAdapter],
         threads: int,
         stats: ConnectorStats,
         observe_transfer: Callable[[int, float], None] | None = None,
     ) -> None:
-        self.store, self.namespace, self.tp_rank = store, namespace, tp_rank
+        self.store, self.addresses = store, addresses
         self.observe_transfer = observe_transfer  # feeds the link estimate of codec "auto"
-        self.groups, self.caches, self.adapters, self.stats = groups, caches, adapters, stats
+        self.groups, self.caches, self.adapters, self.stats = addresses.groups, caches, adapters, stats
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-fetch", initializer=_one_torch_thread)
 
     def submit(self, specs: list[LoadSpec], timeout_s: float) -> LoadJob:
@@ -79,7 +77,7 @@ class Fetcher:
             job.object_done(group, index, ok)
 
     def _fetch_decode_scatter(self, job: LoadJob, group: int, chunk: ChunkLoad) -> None:
-        key = object_key(self.namespace, chunk.chunk_hash, self.tp_rank, group)
+        key = self.addresses.key(chunk.chunk_hash, group)
         t0 = time.perf_counter()
         blob = self.store.get(key)
         if blob is None:
@@ -110,7 +108,7 @@ class Fetcher:
 
     def _check(self, kv: torch.Tensor, num_layers: int) -> None:
         a = self.adapters[self.groups[0][0]]
-        expected = (num_layers, 2, self.namespace.chunk_size, a.num_kv_heads, a.head_size)
+        expected = (num_layers, 2, self.addresses.namespace.chunk_size, a.num_kv_heads, a.head_size)
         if tuple(kv.shape) != expected or kv.dtype != a.dtype:
             raise LoadError(f"stored object holds {tuple(kv.shape)} {kv.dtype}, expected {expected} {a.dtype}")
 

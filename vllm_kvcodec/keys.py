@@ -65,3 +65,15 @@ def object_key(namespace: Namespace, chunk_hash: str, tp_rank: int, group: int) 
     tensor-parallel ranks (same tokens), the shard and layer group are not.
     """
     return f"{KEY_PREFIX}/{namespace.digest[:16]}/{chunk_hash}/r{tp_rank}g{group:03d}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectAddresses:
+    """Where one rank's layer-group objects live: what the fetcher and the saver share."""
+
+    namespace: Namespace
+    tp_rank: int
+    groups: tuple[range, ...]
+
+    def key(self, chunk_hash: str, group: int) -> str:
+        return object_key(self.namespace, chunk_hash, self.tp_rank, group)

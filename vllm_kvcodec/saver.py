@@ -18,7 +18,7 @@ import torch
 from storage import Store
 from vllm_kvcodec.codec_choice import CodecChooser
 from vllm_kvcodec.format import encode_chunk
-from vllm_kvcodec.keys import Namespace, object_key
+from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")
@@ -28,15 +28,13 @@ class Saver:
     def __init__(
         self,
         store: Store,
-        namespace: Namespace,
-        tp_rank: int,
-        groups: list[range],
+        addresses: ObjectAddresses,
         chooser: CodecChooser,
         threads: int,
         max_pending_bytes: int,
         stats: ConnectorStats,
     ) -> None:
-        self.store, self.namespace, self.tp_rank, self.groups = store, namespace, tp_rank, groups
+        self.store, self.addresses, self.groups = store, addresses, addresses.groups
         self.chooser, self.stats, self.max_pending = chooser, stats, max_pending_bytes
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-save")
         self._lock = threading.Lock()
@@ -66,7 +64,7 @@ class Saver:
             t0 = time.perf_counter()
             codec = self.chooser.codec_for(kv[: len(self.groups[0])])
             items = [
-                (object_key(self.namespace, chunk_hash, self.tp_rank, g), encode_chunk(kv[layers.start : layers.stop], codec))
+                (self.addresses.key(chunk_hash, g), encode_chunk(kv[layers.start : layers.stop], codec))
                 for g, layers in enumerate(self.groups)
             ]
             t1 = time.perf_counter()

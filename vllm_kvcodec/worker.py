@@ -26,7 +26,7 @@ from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.format import default_codec_for
 from vllm_kvcodec.fetcher import Fetcher
-from vllm_kvcodec.keys import Namespace
+from vllm_kvcodec.keys import Namespace, ObjectAddresses
 from vllm_kvcodec.load_job import LoadJob
 from vllm_kvcodec.malloc_tuning import reuse_large_buffers
 from vllm_kvcodec.metadata import KVCodecMetadata
@@ -86,9 +86,10 @@ class WorkerHalf:
         caches = [own[n] for n in names]
         ordered = [adapters[n] for n in names]
         self.caches, self.adapters = caches, ordered
-        self.fetcher = Fetcher(self.store, self.namespace, self.tp_rank, self.groups, caches, ordered,
+        addresses = ObjectAddresses(self.namespace, self.tp_rank, tuple(self.groups))
+        self.fetcher = Fetcher(self.store, addresses, caches, ordered,
                                self.config.fetch_threads, self.stats, self.chooser.observe_transfer)
-        self.saver = Saver(self.store, self.namespace, self.tp_rank, self.groups, self.chooser,
+        self.saver = Saver(self.store, addresses, self.chooser,
                            self.config.save_threads, self.config.max_pending_save_bytes, self.stats)
         logger.info("kvcodec: %d KV layers in %d groups, layout %s, store %s, codec %s",
                     len(names), len(self.groups), ordered[0].layout_id, _redact(self.config.store), self.chooser.fixed or "auto")
