@@ -54,10 +54,13 @@ def engine(kv_transfer_config: dict[str, Any] | None = None, dtype: str = "bfloa
         cleanup_dist_env_and_memory()
 
 
-def greedy(llm: Any, token_ids: list[int], max_tokens: int = 12) -> list[int]:
+def greedy(llm: Any, token_ids: list[int], max_tokens: int = 12, cache_salt: str | None = None) -> list[int]:
     from vllm import SamplingParams
 
-    out = llm.generate([{"prompt_token_ids": token_ids}], SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
+    prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
     return list(out[0].outputs[0].token_ids)
 
 

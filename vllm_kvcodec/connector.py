@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from vllm_kvcodec.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
+from vllm_kvcodec.identity import compute_identity, model_identity
 from vllm_kvcodec.keys import Namespace
 from vllm_kvcodec.metadata import KVCodecMetadata
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE
@@ -168,7 +169,7 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig) -> Names
     dtype = str(model.dtype).removeprefix("torch.") if cache_dtype in (None, "auto") else str(cache_dtype)
     groups = config.layer_groups(model.get_num_layers(parallel))
     return Namespace(
-        model_id=config.model_id or f"{model.model}@{model.revision or ''}",
+        model_id=config.model_id or model_identity(model.model, model.revision, model.quantization),
         dtype=dtype,
         num_layers=model.get_num_layers(parallel),
         num_kv_heads=model.get_num_kv_heads(parallel),
@@ -178,6 +179,7 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig) -> Names
         chunk_size=config.chunk_size,
         layers_per_object=len(groups[0]),
         salt=config.salt,
+        compute="" if config.share_across_platforms else compute_identity(vllm_config),
     )
 
 

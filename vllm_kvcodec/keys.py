@@ -1,10 +1,12 @@
 """Chunk keys: a hash chain over token ids inside a namespace.
 
 The namespace digests everything that makes two chunks' bytes incomparable:
-model identity, dtype, KV geometry, paged layout id, tensor-parallel rank and
-size, chunking, layer grouping and format version, plus an optional salt. A
-chunk's key covers the whole prefix up to it (``h_i = H(h_{i-1} || tokens_i)``),
-so equal keys mean equal prefixes. XXH3-128 over explicit little-endian bytes:
+model identity (weights fingerprint), dtype, KV geometry, the content layout,
+the compute identity (platform, kernels, versions; see identity.py),
+tensor-parallel size, chunking, layer grouping and format version, plus an
+optional deployment salt. A chunk's key covers the whole prefix up to it
+(``h_i = H(h_{i-1} || tokens_i || media_i)``, seeded by the request's salt and
+LoRA), so equal keys mean equal prefixes in equal contexts. XXH3-128 over explicit little-endian bytes:
 stable across processes, machines and Python versions (no ``hash()``, no pickle).
 The tensor-parallel rank and the layer group are path parts of the object key.
 """
@@ -20,6 +22,7 @@ import numpy as np
 import xxhash
 
 from vllm_kvcodec.format import VERSION as FORMAT_VERSION
+from vllm_kvcodec.identity import PLAIN, PromptIdentity
 
 KEY_PREFIX = "kvc"
 
@@ -36,6 +39,7 @@ class Namespace:
     chunk_size: int
     layers_per_object: int
     salt: str = ""
+    compute: str = ""  # identity.compute_identity, or "" where chunks are shared across platforms
     format_version: int = FORMAT_VERSION
 
     @functools.cached_property
@@ -44,16 +48,21 @@ class Namespace:
         return xxhash.xxh3_128_hexdigest(blob)
 
 
-def chunk_hashes(namespace: Namespace, token_ids: Sequence[int], num_chunks: int) -> list[str]:
-    """Hex keys of the first ``num_chunks`` full chunks of ``token_ids``."""
+def chunk_hashes(
+    namespace: Namespace, token_ids: Sequence[int], num_chunks: int, identity: PromptIdentity = PLAIN
+) -> list[str]:
+    """Hex keys of the first ``num_chunks`` full chunks of ``token_ids`` in the request's context."""
     size = namespace.chunk_size
     if num_chunks * size > len(token_ids):
         raise ValueError(f"{num_chunks} chunks of {size} need {num_chunks * size} tokens, got {len(token_ids)}")
     tokens = np.asarray(token_ids[: num_chunks * size], dtype="<i8")
     prev = bytes.fromhex(namespace.digest)
+    if seed := identity.seed():
+        prev = xxhash.xxh3_128_digest(prev + seed)
     out = []
     for c in range(num_chunks):
-        prev = xxhash.xxh3_128_digest(prev + tokens[c * size : (c + 1) * size].tobytes())
+        media = identity.media_in(c * size, (c + 1) * size)
+        prev = xxhash.xxh3_128_digest(prev + tokens[c * size : (c + 1) * size].tobytes() + media)
         out.append(prev.hex())
     return out
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from storage import StoreError, open_store
 from vllm_kvcodec.config import ConnectorConfig
+from vllm_kvcodec.identity import PLAIN, prompt_identity
 from vllm_kvcodec.keys import Namespace, chunk_hashes, object_key
 from vllm_kvcodec.metadata import ChunkLoad, KVCodecMetadata, LoadSpec, SaveSpec
 from vllm_kvcodec.stats import ConnectorStats
@@ -71,9 +72,12 @@ class SchedulerHalf:
         tracked = self._requests.get(request.request_id)
         if tracked is None:
             tokens = list(request.prompt_token_ids or [])
+            identity = prompt_identity(request)
             # Only whole chunks, and never the whole prompt: the last token is always computed.
-            full = max(0, (len(tokens) - 1) // self.chunk)
-            hashes = chunk_hashes(self.namespace, tokens, full)
+            full = max(0, (len(tokens) - 1) // self.chunk) if identity is not None else 0
+            if identity is None:
+                self.stats.add(uncacheable_requests=1)
+            hashes = chunk_hashes(self.namespace, tokens, full, identity or PLAIN)
             hit = self._longest_stored_prefix(hashes) if self.config.load else 0
             tracked = _Tracked(tokens, hashes, hit, next_save=hit)
             self._requests[request.request_id] = tracked

@@ -1,0 +1,155 @@
+"""What makes stored KV the right KV: model weights, compute platform, and per-request context.
+
+Equal token ids do not mean equal KV. The KV also depends on
+
+- the weights: a model name alone does not tell two conversions, fine-tunes or
+  quantisations of "the same" model apart, so a local model folder is
+  fingerprinted (:func:`model_identity`);
+- the kernels that computed it: a GEMM or attention kernel of another
+  platform, ISA or library version gives valid KV that differs from this
+  engine's in the last bits, so by default chunks are shared only between
+  engines of the same kind (:func:`compute_identity`);
+- the request: vLLM's ``cache_salt`` (tenants that must not share), the LoRA
+  adapter, and multimodal inputs whose placeholder tokens are equal for any
+  image (:func:`prompt_identity`). Prompts given as embeddings have no token
+  ids to key on and are never cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+_SAMPLE = 1 << 16  # bytes read at each sampled offset of a weight file
+_SAMPLES = 16  # sampled offsets per file, besides its first and last bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptIdentity:
+    """Request context mixed into the chunk key chain, beyond the token ids."""
+
+    salt: str = ""  # vLLM's per-request cache_salt
+    lora: str = ""  # LoRA adapter name ("" = base model)
+    media: tuple[tuple[int, str], ...] = ()  # (placeholder offset, content hash) per multimodal item
+
+    def seed(self) -> bytes:
+        """Bytes mixed into the chain's start ("" for a plain request, so its keys stay the same)."""
+        if not (self.salt or self.lora):
+            return b""
+        return json.dumps({"salt": self.salt, "lora": self.lora}, sort_keys=True).encode()
+
+    def media_in(self, start: int, stop: int) -> bytes:
+        """Content hashes of the items that start in tokens ``[start, stop)``: chained from there on."""
+        items = [ident for offset, ident in self.media if start <= offset < stop]
+        return json.dumps(items).encode() if items else b""
+
+
+PLAIN = PromptIdentity()
+
+
+def prompt_identity(request: "Request") -> PromptIdentity | None:
+    """The request's context, or None when its KV must not be stored or loaded (prompt embeddings)."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        return None
+    lora = getattr(request, "lora_request", None)
+    media = tuple(
+        sorted((int(f.mm_position.offset), str(f.identifier)) for f in getattr(request, "mm_features", None) or [])
+    )
+    return PromptIdentity(salt=getattr(request, "cache_salt", None) or "", lora=lora.lora_name if lora else "", media=media)
+
+
+def model_identity(model: str, revision: str | None, quantization: str | None) -> str:
+    """``name@revision`` for a hub model, a content fingerprint for a local folder or file."""
+    path = Path(model)
+    base = f"{model}@{revision or ''}"
+    if path.exists():
+        base = f"{path.name}#{weights_fingerprint(str(path.resolve()))}"
+    return f"{base}/{quantization}" if quantization else base
+
+
+@functools.cache
+def weights_fingerprint(path: str) -> str:
+    """XXH3-128 of the config files and sampled bytes of every weight file (sizes included).
+
+    Reading 18 windows of 64 KiB per file keeps this to milliseconds for any
+    model size while still telling apart re-conversions and fine-tunes, whose
+    bytes differ nearly everywhere.
+    """
+    root = Path(path)
+    files = sorted(p for p in ([root] if root.is_file() else root.rglob("*")) if p.is_file() and _relevant(p))
+    h = xxhash.xxh3_128()
+    for p in files:
+        size = p.stat().st_size
+        h.update(f"{p.relative_to(root) if root.is_dir() else p.name}:{size}\n".encode())
+        with p.open("rb") as f:
+            for offset in _sample_offsets(size):
+                f.seek(offset)
+                h.update(f.read(_SAMPLE))
+    return h.hexdigest()
+
+
+def _relevant(p: Path) -> bool:
+    return p.suffix in WEIGHT_SUFFIXES or p.name in {"config.json", "generation_config.json"}
+
+
+def _sample_offsets(size: int) -> list[int]:
+    if size <= (_SAMPLES + 2) * _SAMPLE:
+        return list(range(0, size, _SAMPLE))
+    step = (size - _SAMPLE) // (_SAMPLES + 1)
+    return [i * step for i in range(_SAMPLES + 2)]
+
+
+def compute_identity(vllm_config: "VllmConfig") -> str:
+    """The platform, kernel choice and library versions that decide KV's last bits.
+
+    Both halves compute this from the configuration and the machine, so the
+    scheduler can look chunks up before any KV cache exists.
+    """
+    import torch
+    import vllm
+    from vllm.platforms import current_platform
+
+    parts: dict[str, Any] = {
+        "platform": current_platform.device_type,
+        "device": _device_name(current_platform),
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "attention": _attention_backend(vllm_config),
+    }
+    if current_platform.device_type == "cpu":
+        parts["isa"] = _cpu_isa(vllm_config)
+        parts["cpu"] = torch.backends.cpu.get_cpu_capability()  # the GEMM kernels' ISA
+    return json.dumps(parts, sort_keys=True)
+
+
+def _device_name(platform: Any) -> str:
+    try:
+        return str(platform.get_device_name())
+    except Exception:  # noqa: BLE001 - a platform that cannot say is still one platform
+        return ""
+
+
+def _attention_backend(vllm_config: "VllmConfig") -> str:
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return str(getattr(backend, "name", backend) or "default")
+
+
+def _cpu_isa(vllm_config: "VllmConfig") -> str:
+    from vllm_kvcodec.paged.cpu_attn import engine_isa
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    try:
+        return engine_isa(model.dtype, cache.block_size, model.get_head_size(), str(cache.cache_dtype or "auto"))
+    except Exception:  # noqa: BLE001 - fall back to the CPU's model name
+        return os.uname().machine
