@@ -82,15 +82,18 @@ def reject_unknown(options: dict[str, str], known: set[str], url: str) -> None:
         )
 
 
+_SECRET_OPTIONS = re.compile(r"(?i)([?&](?:password|ssl_password)=)[^&#]*")
+
+
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``, for reprs, logs and error messages."""
+    """``url`` with any password (userinfo or a ``password``/``ssl_password`` option) as ``***``, for logs and errors."""
     try:
         parts = urlsplit(url)
         password = parts.password
     except ValueError:
         return "<unparsable URL>"
-    if not password:
-        return url
-    userinfo, _, hostinfo = parts.netloc.rpartition("@")
-    user = userinfo.split(":", 1)[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{hostinfo}"))
+    if password:
+        userinfo, _, hostinfo = parts.netloc.rpartition("@")
+        user = userinfo.split(":", 1)[0]
+        url = urlunsplit(parts._replace(netloc=f"{user}:***@{hostinfo}"))
+    return _SECRET_OPTIONS.sub(r"\1***", url)

@@ -190,13 +190,13 @@ def _reply_complete(reply: bytes) -> bool:
 
 
 def _answers(port: int, tls: bool) -> bool:
-    """PING on a plain port; on a TLS port a TCP connect is enough (the handshake needs the CA)."""
+    """PING on a plain port (NOAUTH counts: it is up); on a TLS port a TCP connect is enough (the handshake needs the CA)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
             if tls:
                 return True
             sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
+            return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))  # a password-protected server answers too
     except OSError:
         return False
 

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from storage.options import redact_url
 from vllm_kvcodec.cache_dir import cache_dir
 from vllm_kvcodec.errors import ConfigError
 
@@ -47,7 +48,7 @@ class ConnectorConfig(BaseModel):
     def _known_scheme(cls, url: str) -> str:
         scheme = url.split("://", 1)[0] if "://" in url else ""
         if scheme.split("+")[-1] not in {"file", "redis", "rediss", "memory", "cluster"} and not scheme.startswith(("link+", "redis+")):
-            raise ValueError(f"unsupported store URL {url!r}: use file:///path, redis://host:port/db, rediss://... or memory://name")
+            raise ValueError(f"unsupported store URL {redact_url(url)!r}: use file:///path, redis://host:port/db, rediss://... or memory://name")
         return url
 
     @field_validator("codec")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from storage import open_store
+from storage.options import redact_url
 from vllm_kvcodec.codec_choice import CodecChooser
 from vllm_kvcodec.config import ConnectorConfig
 from vllm_kvcodec.dtypes import DType
@@ -92,7 +93,7 @@ class WorkerHalf:
         self.saver = Saver(self.store, addresses, self.chooser,
                            self.config.save_threads, self.config.max_pending_save_bytes, self.stats)
         logger.info("kvcodec: %d KV layers in %d groups, layout %s, store %s, codec %s",
-                    len(names), len(self.groups), ordered[0].layout_id, _redact(self.config.store), self.chooser.fixed or "auto")
+                    len(names), len(self.groups), ordered[0].layout_id, redact_url(self.config.store), self.chooser.fixed or "auto")
 
     # ---- load -----------------------------------------------------------------------
     def start_load_kv(self, meta: KVCodecMetadata) -> None:
@@ -186,6 +187,3 @@ class WorkerHalf:
             self.fetcher.shutdown()
         self.store.close()
 
-
-def _redact(url: str) -> str:
-    return re.sub(r"//([^:/@]*):[^@]*@", r"//\1:***@", url)
