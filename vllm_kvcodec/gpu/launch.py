@@ -8,12 +8,18 @@ is a property of the process, not of a call: :func:`interpreted` reports it.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 import triton
 
 from vllm_kvcodec.errors import ConfigError
+
+
+#: Triton's interpreter keeps the launch grid in process-wide state: one launch at a time
+#: (the GPU fetcher launches from several I/O threads).
+_INTERPRETER_LOCK = threading.Lock()
 
 
 @triton.jit
@@ -45,7 +51,8 @@ class Launcher:
     def __call__(self, kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         if self.interpret:
             kwargs.pop("num_warps", None)
-            kernel[grid](*args, **kwargs)
+            with _INTERPRETER_LOCK:
+                kernel[grid](*args, **kwargs)
         else:
             with torch.cuda.device(self.device):
                 kernel[grid](*args, **kwargs)
