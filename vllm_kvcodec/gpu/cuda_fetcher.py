@@ -53,6 +53,7 @@ from vllm_kvcodec.load_job import LoadJob
 from vllm_kvcodec.paged import PackedKVAdapter, PagedKVAdapter
 
 if TYPE_CHECKING:  # both import vLLM, which the GPU check machine does not have
+    from vllm_kvcodec.gpu.cuda_save import CudaSaveGather
     from vllm_kvcodec.metadata import ChunkLoad, LoadSpec
     from vllm_kvcodec.stats import ConnectorStats
 
@@ -234,6 +235,12 @@ class CudaFetcher:
         expected = (num_layers, 2, self.addresses.namespace.chunk_size, a.num_kv_heads, a.head_size)
         if header.shape != expected or header.dtype.torch_dtype != a.dtype:
             raise LoadError(f"stored object holds {header.shape} {header.dtype.name.lower()}, expected {expected} {a.dtype}")
+
+    def save_gather(self, saver: object) -> "CudaSaveGather":
+        """The save path's gather on the same side stream and pointer table."""
+        from vllm_kvcodec.gpu.cuda_save import CudaSaveGather
+
+        return CudaSaveGather(self.caches, self.adapters, self.side, self.pages, saver)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
