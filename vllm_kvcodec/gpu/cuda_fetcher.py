@@ -236,7 +236,7 @@ class CudaFetcher:
         if header.shape != expected or header.dtype.torch_dtype != a.dtype:
             raise LoadError(f"stored object holds {header.shape} {header.dtype.name.lower()}, expected {expected} {a.dtype}")
 
-    def save_gather(self, saver: object) -> "CudaSaveGather":
+    def save_gather(self, saver: object) -> CudaSaveGather:
         """The save path's gather on the same side stream and pointer table."""
         from vllm_kvcodec.gpu.cuda_save import CudaSaveGather
 

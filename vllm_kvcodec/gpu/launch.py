@@ -16,7 +16,6 @@ import triton
 
 from vllm_kvcodec.errors import ConfigError
 
-
 #: Triton's interpreter keeps the launch grid in process-wide state: one launch at a time
 #: (the GPU fetcher launches from several I/O threads).
 _INTERPRETER_LOCK = threading.Lock()

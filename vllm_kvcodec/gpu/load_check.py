@@ -156,4 +156,4 @@ def caches_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
     return len(got) == len(want) and all(torch.equal(bits(g.cpu()), bits(w)) for g, w in zip(got, want))
 
 
-__all__ = ["Chunk", "Counters", "ORDERS", "Scenario", "Spec", "bits", "build", "caches_equal"]
+__all__ = ["ORDERS", "Chunk", "Counters", "Scenario", "Spec", "bits", "build", "caches_equal"]
