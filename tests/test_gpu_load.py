@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = ROOT / "tests" / "interpreted_gpu_load.py"
 MIN_CASES = 18  # what the file holds today; fewer means cases silently stopped being collected
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def test_interpreted_cases_pass(tmp_path: Path) -> None:
@@ -125,12 +124,15 @@ def _interpreted_here() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-compiled = pytest.mark.skipif(_interpreted_here(), reason="TRITON_INTERPRET=1 in this process: kernels would not compile")
+#: compiled kernels on a CUDA device (TRITON_INTERPRET=1 in this process would interpret them instead)
+cuda_kernels = pytest.mark.skipif(
+    not torch.cuda.is_available() or _interpreted_here(),
+    reason="needs a CUDA GPU" if not torch.cuda.is_available() else "TRITON_INTERPRET=1 in this process",
+)
 
 
 @pytest.mark.gpu
-@needs_cuda
-@compiled
+@cuda_kernels
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 def test_cuda_scatter_gather_match_the_adapter(real_chunks, order) -> None:
     from vllm_kvcodec.gpu import load_check as lc
@@ -161,8 +163,7 @@ def _cuda_caches(layers, blocks, heads, block, head, order):
 
 
 @pytest.mark.gpu
-@needs_cuda
-@compiled
+@cuda_kernels
 def test_cuda_fetcher_events_and_bit_exact_load(real_kv_1k) -> None:
     from vllm_kvcodec.fetcher import Fetcher
     from vllm_kvcodec.gpu import load_check as lc
@@ -196,8 +197,7 @@ def test_cuda_fetcher_events_and_bit_exact_load(real_kv_1k) -> None:
 
 
 @pytest.mark.gpu
-@needs_cuda
-@compiled
+@cuda_kernels
 def test_worker_picks_the_cuda_fetcher_for_cuda_caches() -> None:
     from vllm_kvcodec.gpu.cuda_fetcher import CudaFetcher
     from vllm_kvcodec.worker import _fetcher_class
