@@ -131,6 +131,9 @@ def test_pages_refuse_what_they_cannot_address() -> None:
         pages.scatter(0, kv.to(torch.float16), torch.arange(4))
     with pytest.raises(PagedLayoutError):
         PackedPages(caches, 8)  # the content axis is not 2 * head_size
+    strided = torch.zeros(4, 32, 2, 8, dtype=torch.bfloat16).permute(0, 2, 3, 1)  # content axis not contiguous
+    with pytest.raises(PagedLayoutError, match="contiguous"):
+        PackedPages([strided], 16)
 
 
 # ---- the load pipeline ------------------------------------------------------------------------------
@@ -172,6 +175,20 @@ def test_gpu_fetcher_writes_what_the_cpu_fetcher_writes(real_kv_1k, order) -> No
     totals = stats.totals()
     assert totals["gpu_decoded_objects"] == 4  # 2 splitzip chunks x 2 layer groups decoded by the kernels
     assert totals["loaded_objects"] == 8 and totals["loaded_tokens"] == 64 - 2 * 5
+
+
+def test_gpu_fetcher_falls_back_to_the_adapters_for_other_strides(real_kv_1k) -> None:
+    """Caches the pointer-table kernel does not take (content axis not contiguous) load through the adapters."""
+    sc = _scenario(real_kv_1k, ["splitzip", "raw"], seed=5)
+    layers, _, _, heads, head = sc.kv.shape
+    whole = torch.zeros(layers, sc.num_blocks, 2 * head, heads, sc.block_size, dtype=sc.kv.dtype)
+    caches = [whole[i].permute(0, 2, 3, 1) for i in range(layers)]  # logical [blocks, heads, block, 2*head]
+    fetcher = CudaFetcher(sc.store, sc.addresses, caches, _adapters(sc), 1, ConnectorStats())
+    assert fetcher.pages is None
+    fetcher.shutdown()
+    job = _run(CudaFetcher, sc, caches)
+    assert not job.failed_blocks
+    assert lc.caches_equal(caches, sc.expected())
 
 
 def _bad_positions(blob: bytes) -> bytes:

@@ -265,7 +265,7 @@ def _packed_pages(caches: list[torch.Tensor], adapters: list[PagedKVAdapter]) ->
     if not all(type(a) is PackedKVAdapter for a in adapters):
         return None
     first = caches[0]
-    if any((c.shape, c.stride(), c.dtype) != (first.shape, first.stride(), first.dtype) for c in caches):
+    if first.stride(3) != 1 or any((c.shape, c.stride(), c.dtype) != (first.shape, first.stride(), first.dtype) for c in caches):
         return None
     return PackedPages(caches, adapters[0].head_size)
 

@@ -3,7 +3,8 @@
 The layout is :class:`vllm_kvcodec.paged.PackedKVAdapter`'s (``packed-kv-v1``:
 FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTENTION in vLLM 0.32/0.33): each
 layer's cache is a *logical* ``[num_blocks, kv_heads, block_size, 2*head_size]``
-view with any strides, and for ``slot = block * block_size + offset``::
+view with any strides (the content axis contiguous, as in every vLLM
+layout), and for ``slot = block * block_size + offset``::
 
     cache[block, h, offset, :head_size] = K[token, h]
     cache[block, h, offset, head_size:] = V[token, h]
@@ -19,7 +20,11 @@ NaN payloads included).
 Program grid: (token tiles, kv heads, layers). Each program copies ``BT``
 tokens x ``head_size`` of K and of V of one head of one layer. Offsets are
 int64 (a block-outer layout's block stride spans all layers, so
-``block * stride`` can pass 2**31 elements).
+``block * stride`` can pass 2**31 elements). The cache pointers come from a
+table, so Triton cannot see their alignment: the host computes it (``PTR_ALIGN``
+bytes for the bases, ``VEC`` elements for every row start) and the kernels
+pass it on with ``tl.multiple_of``, which lets the compiler use 16-byte
+loads and stores.
 
 Slots are not range-checked on the device: callers check them on the host
 (:func:`check_slots`), where the scheduler's slot lists live, so the hot path
@@ -45,8 +50,9 @@ _INT_VIEW = {2: torch.int16, 4: torch.int32}
 @triton.jit
 def _scatter(kv_ptr, table_ptr, slots_ptr, tokens, block_size,
              kv_sl, kv_skv, kv_st, kv_sh,
-             c_sb, c_sh, c_sn, c_sc,
-             HEAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+             c_sb, c_sh, c_sn,
+             HEAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, VEC: tl.constexpr,
+             PTR_ALIGN: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     layer = tl.program_id(2).to(tl.int64)
@@ -58,17 +64,19 @@ def _scatter(kv_ptr, table_ptr, slots_ptr, tokens, block_size,
     blk = s // block_size
     off = s - blk * block_size
     cache = tl.load(table_ptr + layer).to(tl.pointer_type(kv_ptr.dtype.element_ty))
-    dst = cache + blk[:, None] * c_sb + h * c_sh + off[:, None] * c_sn + d[None, :] * c_sc
+    row = tl.multiple_of(blk * c_sb + h * c_sh + off * c_sn, VEC)  # host-checked: rows start VEC-aligned
+    dst = tl.multiple_of(cache, PTR_ALIGN) + row[:, None] + d[None, :]
     src = kv_ptr + layer * kv_sl + t[:, None].to(tl.int64) * kv_st + h * kv_sh + d[None, :]
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
-    tl.store(dst + HEAD * c_sc, tl.load(src + kv_skv, mask=mask), mask=mask)
+    tl.store(dst + HEAD, tl.load(src + kv_skv, mask=mask), mask=mask)
 
 
 @triton.jit
 def _gather(out_ptr, table_ptr, slots_ptr, tokens, block_size,
             o_sl, o_skv, o_st, o_sh,
-            c_sb, c_sh, c_sn, c_sc,
-            HEAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+            c_sb, c_sh, c_sn,
+            HEAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, VEC: tl.constexpr,
+             PTR_ALIGN: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     layer = tl.program_id(2).to(tl.int64)
@@ -80,10 +88,19 @@ def _gather(out_ptr, table_ptr, slots_ptr, tokens, block_size,
     blk = s // block_size
     off = s - blk * block_size
     cache = tl.load(table_ptr + layer).to(tl.pointer_type(out_ptr.dtype.element_ty))
-    src = cache + blk[:, None] * c_sb + h * c_sh + off[:, None] * c_sn + d[None, :] * c_sc
+    row = tl.multiple_of(blk * c_sb + h * c_sh + off * c_sn, VEC)  # host-checked: rows start VEC-aligned
+    src = tl.multiple_of(cache, PTR_ALIGN) + row[:, None] + d[None, :]
     dst = out_ptr + layer * o_sl + t[:, None].to(tl.int64) * o_st + h * o_sh + d[None, :]
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
-    tl.store(dst + o_skv, tl.load(src + HEAD * c_sc, mask=mask), mask=mask)
+    tl.store(dst + o_skv, tl.load(src + HEAD, mask=mask), mask=mask)
+
+
+def _pow2_dividing(values: list[int], floor: int) -> int:
+    """The largest power of two dividing every value (at least ``floor``)."""
+    g = 0
+    for v in values:
+        g |= int(v)
+    return max(floor, g & -g) if g else floor
 
 
 def check_slots(slots: Sequence[int], num_slots: int) -> None:
@@ -124,10 +141,14 @@ class PackedPages:
         self.caches = list(caches)
         self.device, self.dtype, self.head_size = first.device, first.dtype, head_size
         self.num_blocks, self.num_heads, self.block_size = (int(x) for x in first.shape[:3])
-        self.strides = tuple(int(s) for s in first.stride())
+        if first.stride(3) != 1:
+            raise PagedLayoutError(f"the content axis of the caches must be contiguous, strides are {first.stride()}")
+        self.strides = tuple(int(s) for s in first.stride()[:3])
         self._launch = Launcher(self.device)
         ptrs = [c.data_ptr() for c in caches]
         self.table = torch.tensor(ptrs, dtype=torch.int64).to(self.device)
+        self._ptr_align = _pow2_dividing([*ptrs, 16], first.element_size())
+        self._vec = _pow2_dividing([*self.strides, head_size, 16 // first.element_size()], 1)
         self.block_tokens, self.num_warps = block_tokens, num_warps
         self._block_d = triton.next_power_of_2(head_size)
 
@@ -160,7 +181,8 @@ class PackedPages:
         grid = (cdiv(tokens, self.block_tokens), heads, layers)
         self._launch(kernel, grid, kv.view(view), self.table[first_layer:], slots, tokens, self.block_size,
                      *kv.stride()[:4], *self.strides,
-                     HEAD=self.head_size, BT=self.block_tokens, BD=self._block_d, num_warps=self.num_warps)
+                     HEAD=self.head_size, BT=self.block_tokens, BD=self._block_d, VEC=self._vec,
+                     PTR_ALIGN=self._ptr_align, num_warps=self.num_warps)
 
     def _check(self, first_layer: int, kv: torch.Tensor, slots: torch.Tensor, name: str) -> int:
         want = (self.num_heads, self.head_size)
