@@ -203,3 +203,47 @@ def test_worker_picks_the_cuda_fetcher_for_cuda_caches() -> None:
     from vllm_kvcodec.worker import _fetcher_class
 
     assert _fetcher_class([torch.zeros(1, device="cuda")]) is CudaFetcher
+
+
+@pytest.mark.gpu
+@cuda_kernels
+def test_cuda_save_gather_reaches_the_store_bit_exact(real_kv_1k) -> None:
+    from storage import open_store
+    from vllm_kvcodec.codec_choice import CodecChooser
+    from vllm_kvcodec.format import decode_chunk
+    from vllm_kvcodec.gpu import load_check as lc
+    from vllm_kvcodec.gpu.cuda_fetcher import CudaFetcher
+    from vllm_kvcodec.paged import PackedKVAdapter
+    from vllm_kvcodec.saver import Saver
+    from vllm_kvcodec.stats import ConnectorStats
+
+    sc = lc.build(real_kv_1k[:, :, :512].contiguous(), chunk_size=256, layers_per_object=10, block_size=16,
+                  codecs=["splitzip"])
+    caches = sc.caches("cuda", "HND")
+    adapters = [PackedKVAdapter(sc.geometry)] * len(caches)
+    fetcher = CudaFetcher(sc.store, sc.addresses, caches, adapters, 2, ConnectorStats())
+    store = open_store("memory://cuda-save-gather")
+    saver = Saver(store, sc.addresses, CodecChooser("splitzip"), 1, 1 << 30, ConnectorStats())
+    try:
+        job = fetcher.submit(sc.specs, 60)
+        assert job.done.wait(60)
+        job.settle()
+        gather = fetcher.save_gather(saver)
+        chunks = [c for spec in sc.specs for c in spec.chunks]
+        for layer in range(len(caches)):
+            for i, chunk in enumerate(chunks):
+                gather.gather(i, layer, caches[layer], chunk.slots)
+        for i, chunk in enumerate(chunks):
+            gather.submit(i, chunk.chunk_hash)
+        gather.release()
+        gather.flush()
+        gather.shutdown()
+        assert saver.flush(60)
+        for chunk in chunks:
+            c = sc.index[chunk.chunk_hash]
+            for g, layers in enumerate(sc.addresses.groups):
+                got = decode_chunk(store.get(sc.addresses.key(chunk.chunk_hash, g)))
+                assert torch.equal(lc.bits(got), lc.bits(sc.kv[layers.start : layers.stop, :, c * 256 : (c + 1) * 256]))
+    finally:
+        saver.shutdown()
+        fetcher.shutdown()
