@@ -19,9 +19,16 @@ env, selftest (every bit-exactness case of vllm_kvcodec.gpu.selftest), realkv
 (GPU payloads of real KV vs the CPU codec's digests and the numpy reference,
 decode of the reference payload), throughput (device copy vs SplitZip encode
 and decode on ~1.5 GB of tiled real KV, a small sweep of kernel settings,
-histogram phase alone, worst case on random bits), scatter
-(``PackedKVAdapter.scatter``/``gather``), nvcodec (NVDEC decode of the HEVC
-chunk, bit-exact against the KV; NVENC probe).
+histogram phase alone, worst case on random bits), scatter (the Triton
+scatter/gather of ``vllm_kvcodec.gpu.scatter_triton`` into vLLM 0.33 packed
+K‖V caches sized like SmolLM2-135M and an 8B GQA model, vs the adapter's torch
+indexing and a plain device copy; bit-exact against the adapter), gpu_fetcher
+(real KV chunks in a memory store, splitzip decoded on the device and other
+codecs on the CPU, through ``CudaFetcher`` into packed caches: bit-exact vs the
+CPU adapter, one event per layer group, the compute stream reads each layer
+right after its event wait, the save path's gather back, and a payload with a
+valid checksum but invalid escapes rejected by the device flags), nvcodec
+(NVDEC decode of the HEVC chunk, bit-exact against the KV; NVENC probe).
 """
 
 from __future__ import annotations
@@ -390,35 +397,200 @@ def sec_throughput(d: dict) -> None:
         d["status"] = "MISMATCH between settings (see rows)"
 
 
-def sec_scatter(d: dict) -> None:
+#: Paged-cache geometries for the scatter section: (name, layers, kv heads, head size, block size, cache blocks).
+SCATTER_MODELS = [
+    ("smollm2-135m", 30, 3, 64, 16, 8192),   # the model whose real KV the data file holds
+    ("llama3-8b", 32, 8, 128, 16, 4096),     # a common 8B GQA geometry (8.6 GB of bf16 cache)
+]
+SCATTER_TOKENS = 4096  # 16 chunks of 256 tokens, every layer: what a long prefix hit loads
+DRY_SCATTER_MODELS = [("tiny", 2, 2, 64, 16, 24)]
+
+
+def _packed_caches(layers: int, blocks: int, heads: int, block: int, head: int, order: str) -> list:
+    """Logical [blocks, heads, block, 2*head] views of one allocation (vLLM 0.33: NHD = LBNHC, HND = LBHNC)."""
+    shape = (layers, blocks, block, heads, 2 * head) if order == "NHD" else (layers, blocks, heads, block, 2 * head)
+    whole = torch.randint(-32768, 32767, shape, dtype=torch.int16, device=DEVICE).view(torch.bfloat16)
+    return [whole[i].transpose(1, 2) if order == "NHD" else whole[i] for i in range(layers)]
+
+
+def _scatter_kv(layers: int, tokens: int, heads: int, head: int) -> torch.Tensor:
+    """[layers, 2, tokens, heads, head] bf16: real KV where the geometry is SmolLM2's, random bits otherwise."""
+    if DATASET is not None and tuple(DATASET["kv"].shape[3:]) == (heads, head) and DATASET["kv"].shape[0] >= layers:
+        base = DATASET["kv"][:layers]
+        reps = -(-tokens // base.shape[2])
+        return base.repeat(1, 1, reps, 1, 1)[:, :, :tokens].contiguous().to(DEVICE)
+    return torch.randint(-32768, 32767, (layers, 2, tokens, heads, head), dtype=torch.int16, device=DEVICE).view(torch.bfloat16)
+
+
+def _copy_gbps(kv: torch.Tensor, iters: int) -> float:
+    dst = torch.empty_like(kv)
+    return gbps(kv.numel() * 2, timed(lambda: dst.copy_(kv), iters)["median_s"])
+
+
+def _scatter_row(kv: torch.Tensor, slots: torch.Tensor, blocks: int, block: int, order: str, iters: int) -> dict:
+    from vllm_kvcodec.gpu.scatter_triton import PackedPages
     from vllm_kvcodec.paged import Geometry, PackedKVAdapter
 
-    heads, dim, block = 3, 64, 16
-    tokens = 1 << 10 if ARGS.dry_run else 1 << 20
-    geo = Geometry(num_kv_heads=heads, head_size=dim, block_size=block, dtype=torch.bfloat16)
-    adapter = PackedKVAdapter(geo)
-    if DATASET is not None:  # one layer's K and V, tiled along tokens: [2, tokens, heads, dim]
-        base = DATASET["kv"][0]
-        reps = -(-tokens // base.shape[1])
-        kv = base.repeat(1, reps, 1, 1)[:, :tokens].contiguous().to(DEVICE)
-    else:
-        kv = torch.randn(2, tokens, heads, dim).to(torch.bfloat16).to(DEVICE)
-    blocks = tokens // block
-    cache = torch.zeros(blocks + 8, heads, block, 2 * dim, dtype=torch.bfloat16, device=DEVICE)
-    order = torch.randperm(blocks, device=DEVICE) + 4
-    slots = (order[:, None] * block + torch.arange(block, device=DEVICE)).reshape(-1)
+    layers, _, _, heads, head = kv.shape
     nbytes = kv.numel() * 2
+    caches = _packed_caches(layers, blocks, heads, block, head, order)
+    want = [c.clone() for c in caches]
+    pages = PackedPages(caches, head)
+    adapter = PackedKVAdapter(Geometry(heads, head, block, torch.bfloat16))
+    t = timed(lambda: pages.scatter(0, kv, slots), iters)
+    ta = timed(lambda: [adapter.scatter(want[i], slots, kv[i], check=False) for i in range(layers)], iters)
+    sync()
+    exact = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(caches, want))
+    out = torch.empty_like(kv)
+    tg = timed(lambda: pages.gather(0, slots, out), iters)
+    return {"triton_scatter_GBps": gbps(nbytes, t["median_s"]), "triton_gather_GBps": gbps(nbytes, tg["median_s"]),
+            "adapter_scatter_GBps": gbps(nbytes, ta["median_s"]), "bit_exact_vs_adapter": exact,
+            "gather_round_trip_bit_exact": torch.equal(out.view(torch.int16), kv.view(torch.int16))}
+
+
+def sec_scatter(d: dict) -> None:
+    """Triton scatter/gather of a layer group per launch vs the adapter's torch indexing vs a plain copy."""
     iters = 1 if ARGS.dry_run else ARGS.iters
-    ts = timed(lambda: adapter.scatter(cache, slots, kv, check=False), iters)
-    tg = timed(lambda: adapter.gather(cache, slots, check=False), iters)
-    back = adapter.gather(cache, slots)
-    d.update({
-        "tokens": tokens, "kv_bytes": nbytes,
-        "scatter_GBps": gbps(nbytes, ts["median_s"]), "gather_GBps": gbps(nbytes, tg["median_s"]),
-        "round_trip_bit_exact": bool(torch.equal(back.view(torch.int16), kv.view(torch.int16))),
-        "note": "PackedKVAdapter (packed-kv-v1, vLLM 0.33 FLASH_ATTN/FLASHINFER); torch indexing, no custom kernel",
-    })
-    log(f"   scatter {d['scatter_GBps']} GB/s, gather {d['gather_GBps']} GB/s, exact {d['round_trip_bit_exact']}")
+    rows, exact_all = {}, True
+    for name, layers, heads, head, block, blocks in DRY_SCATTER_MODELS if ARGS.dry_run else SCATTER_MODELS:
+        tokens = 40 if ARGS.dry_run else SCATTER_TOKENS
+        kv = _scatter_kv(layers, tokens, heads, head)
+        nbytes = kv.numel() * 2
+        gen = torch.Generator().manual_seed(0)
+        first = 5  # the first chunk starts inside a block, blocks in random order
+        table = torch.randperm(blocks, generator=gen)[: -(-(tokens + first) // block)]
+        pos = torch.arange(first, first + tokens)
+        slots = (table[pos // block] * block + pos % block).to(DEVICE)
+        row = {"layers": layers, "kv_heads": heads, "head_size": head, "block_size": block, "tokens": tokens,
+               "kv_bytes": nbytes, "copy_GBps": _copy_gbps(kv, iters)}
+        for order in ("NHD", "HND"):
+            row[order] = _scatter_row(kv, slots, blocks, block, order, iters)
+            exact_all &= row[order]["bit_exact_vs_adapter"] and row[order]["gather_round_trip_bit_exact"]
+        rows[name] = row
+        log(f"   {name}: {row}")
+    d["models"] = rows
+    d["note"] = ("vLLM 0.33 packed K||V (FLASH_ATTN/FLASHINFER); Triton: one launch per layer group through a pointer "
+                 "table; adapter: PackedKVAdapter torch indexing, one layer per call; copy: contiguous d2d of the same bytes")
+    d["bit_exact"] = exact_all
+    if not exact_all:
+        d["status"] = "MISMATCH (see rows)"
+
+
+class _CollectingSaver:
+    """Stands in for vllm_kvcodec.saver.Saver (which imports vLLM): keeps what the save gather hands over."""
+
+    def __init__(self) -> None:
+        self.got: dict = {}
+
+    def submit(self, chunk_hash: str, kv: torch.Tensor) -> bool:
+        self.got[chunk_hash] = kv.clone()
+        return True
+
+
+def _corrupt_positions(blob: bytes) -> bytes:
+    """The same splitzip chunk with two escape positions swapped: valid checksum, invalid on the device."""
+    from vllm_kvcodec.format import build_chunk, read_header
+
+    head = read_header(blob)
+    p = bytearray(memoryview(blob)[head.payload_offset : head.payload_offset + head.payload_length])
+    n = int(np.prod(head.shape))
+    at = 20 + (n + 1) // 2 + n
+    p[at : at + 4], p[at + 4 : at + 8] = p[at + 4 : at + 8], p[at : at + 4]
+    return build_chunk(bytes(p), head.dtype, head.shape, head.codec_config)
+
+
+def sec_gpu_fetcher(d: dict) -> None:
+    """Real KV chunks (splitzip and CPU codecs) in a memory store -> CudaFetcher -> packed caches -> gather -> compare."""
+    from vllm_kvcodec.gpu import load_check as lc
+    from vllm_kvcodec.gpu.cuda_fetcher import CudaFetcher
+    from vllm_kvcodec.paged import PackedKVAdapter
+
+    if DATASET is None:
+        d["status"] = "skipped: no data file"
+        return
+    if ARGS.dry_run:
+        kv, chunk, per_object, block, threads = DATASET["kv"][:4, :, :64].contiguous(), 16, 2, 8, 2
+    else:
+        kv, chunk, per_object, block, threads = DATASET["kv"], 256, 10, 16, 4
+    codecs = ["splitzip", "raw"]  # device decode, and CPU decode + H2D (rans would add a numba JIT warm-up here)
+    ok = True
+    for order in lc.ORDERS:
+        sc = lc.build(kv, chunk_size=chunk, layers_per_object=per_object, block_size=block, codecs=codecs, first_token=37 % chunk)
+        caches = sc.caches(DEVICE, order)
+        adapters = [PackedKVAdapter(sc.geometry)] * len(caches)
+        stats = lc.Counters()
+        fetcher = CudaFetcher(sc.store, sc.addresses, caches, adapters, threads, stats)
+        try:
+            sync()
+            t0 = time.perf_counter()
+            job = fetcher.submit(sc.specs, 120)
+            ready_ms, snapshots = [], {}
+            for layer in range(len(caches)):
+                assert job.wait_layer(layer, job.deadline), f"layer {layer} not ready"
+                ready_ms.append(round((time.perf_counter() - t0) * 1e3, 2))
+                snapshots[layer] = caches[layer].clone()  # on the compute stream, right after its event wait
+            assert job.done.wait(120)
+            job.settle()
+            sync()
+            seconds = time.perf_counter() - t0
+            want = sc.expected()
+            row = {
+                "objects": stats.values.get("loaded_objects", 0), "device_decoded": stats.values.get("gpu_decoded_objects", 0),
+                "failed_blocks": sorted(job.failed_blocks), "group_events_recorded": (all(e is not None for e in job.events) if DEVICE.type == "cuda"
+                                          else "n/a: a CPU has no streams (dry run)"),
+                "bit_exact_vs_cpu_adapter": lc.caches_equal(caches, want),
+                "compute_stream_saw_each_layer_after_its_event": all(
+                    torch.equal(lc.bits(snapshots[i].cpu()), lc.bits(want[i])) for i in snapshots),
+                "raw_GBps_end_to_end": gbps(int(stats.values.get("loaded_raw_bytes", 0)), seconds),
+                "layer_ready_ms": [ready_ms[g.start] for g in sc.addresses.groups],
+                "decode_s": round(stats.values.get("decode_s", 0), 4), "scatter_s": round(stats.values.get("scatter_s", 0), 4),
+            }
+            # gather back through the save path (side stream, pinned D2H) and compare with the stored chunks
+            saver = _CollectingSaver()
+            save = fetcher.save_gather(saver)
+            loaded = [c for spec in sc.specs for c in spec.chunks if c.first_token == 0]
+            for layer in range(len(caches)):
+                for i, c in enumerate(loaded):
+                    save.gather(i, layer, caches[layer], c.slots)
+            for i, c in enumerate(loaded):
+                save.submit(i, c.chunk_hash)
+            save.release()
+            save.flush()
+            save.shutdown()
+            row["save_gather_bit_exact"] = len(saver.got) == len(loaded) and all(
+                torch.equal(lc.bits(saver.got[c.chunk_hash]),
+                            lc.bits(kv[:, :, sc.index[c.chunk_hash] * chunk : (sc.index[c.chunk_hash] + 1) * chunk]))
+                for c in loaded)
+        finally:
+            fetcher.shutdown()
+        good = (not row["failed_blocks"] and row["group_events_recorded"] is not False and row["bit_exact_vs_cpu_adapter"]
+                and row["compute_stream_saw_each_layer_after_its_event"] and row["save_gather_bit_exact"])
+        ok &= good
+        d[order] = row
+        log(f"   {order}: {row}")
+    # A payload with a valid checksum but invalid escape positions: caught by the device flags, never written.
+    sc = lc.build(kv, chunk_size=chunk, layers_per_object=per_object, block_size=block, codecs=["splitzip"], seed=9)
+    bad = sc.specs[0].chunks[0]
+    key = sc.addresses.key(bad.chunk_hash, 0)
+    sc.store.put(key, _corrupt_positions(sc.store.get(key)))
+    caches = sc.caches(DEVICE)
+    fetcher = CudaFetcher(sc.store, sc.addresses, caches, [PackedKVAdapter(sc.geometry)] * len(caches), threads, lc.Counters())
+    try:
+        job = fetcher.submit(sc.specs, 120)
+        assert job.done.wait(120)
+        job.settle()
+        sync()
+    finally:
+        fetcher.shutdown()
+    d["invalid_payload"] = {
+        "failed_blocks_as_expected": job.failed_blocks == set(bad.block_ids),
+        "nothing_written_for_it": lc.caches_equal(caches, sc.expected({(bad.chunk_hash, 0)})),
+    }
+    ok &= all(d["invalid_payload"].values())
+    log(f"   invalid payload: {d['invalid_payload']}")
+    d["bit_exact"] = ok
+    if not ok:
+        d["status"] = "MISMATCH (see rows)"
 
 
 def sec_nvcodec(d: dict) -> None:
@@ -509,6 +681,7 @@ def main() -> int:
     run_section("realkv", sec_realkv)
     run_section("throughput", sec_throughput)
     run_section("scatter", sec_scatter)
+    run_section("gpu_fetcher", sec_gpu_fetcher)
     run_section("nvcodec", sec_nvcodec)
     t = REPORT.get("targets", {})
     if t:

@@ -80,3 +80,6 @@ class LoadJob:
 
     def wait_layer(self, layer: int, deadline: float) -> bool:
         return self.layer_ready[layer].wait(max(0.0, deadline - time.monotonic()))
+
+    def settle(self) -> None:
+        """Once ``done``: make the KV usable by the caller (nothing to do here; a GPU job orders streams)."""

@@ -69,6 +69,7 @@ class WorkerHalf:
         self.recent_loads: collections.deque = collections.deque(maxlen=64)  # for inspection and tests
         self._gathered: dict[int, torch.Tensor] = {}  # save index -> [layers, 2, chunk, heads, dim]
         self._gathered_layers: dict[int, int] = {}
+        self.gpu_save = None  # CudaSaveGather when the KV caches are on a CUDA device
         reuse_large_buffers()
 
     # ---- set-up ---------------------------------------------------------------------
@@ -88,10 +89,12 @@ class WorkerHalf:
         ordered = [adapters[n] for n in names]
         self.caches, self.adapters = caches, ordered
         addresses = ObjectAddresses(self.namespace, self.tp_rank, tuple(self.groups))
-        self.fetcher = Fetcher(self.store, addresses, caches, ordered,
-                               self.config.fetch_threads, self.stats, self.chooser.observe_transfer)
+        self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered,
+                                              self.config.fetch_threads, self.stats, self.chooser.observe_transfer)
         self.saver = Saver(self.store, addresses, self.chooser,
                            self.config.save_threads, self.config.max_pending_save_bytes, self.stats)
+        if caches[0].is_cuda:
+            self.gpu_save = self.fetcher.save_gather(self.saver)
         logger.info("kvcodec: %d KV layers in %d groups, layout %s, store %s, codec %s",
                     len(names), len(self.groups), ordered[0].layout_id, redact_url(self.config.store), self.chooser.fixed or "auto")
 
@@ -125,6 +128,7 @@ class WorkerHalf:
         if not job.done.wait(max(0.0, job.deadline - time.monotonic())):
             self.stats.add(load_timeouts=1)
             job.cancel()
+        job.settle()
         self._load_errors |= job.failed_blocks
         self._failed_reqs = set(job.failed_reqs)
         self._sync_job = None
@@ -136,6 +140,7 @@ class WorkerHalf:
                 self.stats.add(load_timeouts=1)
                 job.cancel()
             if job.done.is_set():
+                job.settle()
                 self._load_errors |= job.failed_blocks
                 done.add(req_id)
                 del self._async_jobs[req_id]
@@ -154,10 +159,13 @@ class WorkerHalf:
         if layer is None or self.caches[layer].data_ptr() != kv_layer.data_ptr():
             return  # a layer sharing another's KV: saved through its target
         for i, spec in enumerate(meta.saves):
-            buf = self._gathered.get(i)
-            if buf is None:
-                buf = self._gathered[i] = self._new_chunk_buffer(len(spec.slots))
-            self.adapters[layer].gather(kv_layer, torch.tensor(spec.slots, dtype=torch.int64), out=buf[layer], check=False)
+            if self.gpu_save is not None:
+                self.gpu_save.gather(i, layer, kv_layer, spec.slots)
+            else:
+                buf = self._gathered.get(i)
+                if buf is None:
+                    buf = self._gathered[i] = self._new_chunk_buffer(len(spec.slots))
+                self.adapters[layer].gather(kv_layer, torch.tensor(spec.slots, dtype=torch.int64), out=buf[layer], check=False)
             self._gathered_layers[i] = self._gathered_layers.get(i, 0) + 1
 
     def _new_chunk_buffer(self, tokens: int) -> torch.Tensor:
@@ -173,17 +181,32 @@ class WorkerHalf:
                 # Its prefix load failed, so this step computed the chunk from bad KV.
                 self.stats.add(saves_skipped_after_load_failure=1)
             elif self._gathered_layers.get(i, 0) == len(self.caches):
-                self.saver.submit(spec.chunk_hash, self._gathered[i])
-            elif i in self._gathered:
+                if self.gpu_save is not None:
+                    self.gpu_save.submit(i, spec.chunk_hash)
+                else:
+                    self.saver.submit(spec.chunk_hash, self._gathered[i])
+            elif i in self._gathered_layers:
                 self.stats.add(saves_incomplete=1)
+        if self.gpu_save is not None:
+            self.gpu_save.release()
         self._gathered.clear()
         self._gathered_layers.clear()
         self._failed_reqs = set()
 
     def shutdown(self) -> None:
+        if self.gpu_save is not None:
+            self.gpu_save.shutdown()
         if self.saver is not None:
             self.saver.shutdown()
         if self.fetcher is not None:
             self.fetcher.shutdown()
         self.store.close()
 
+
+def _fetcher_class(caches: list[torch.Tensor]) -> type:
+    """KV on a CUDA device loads through streams and Triton kernels (gpu/cuda_fetcher.py); elsewhere through threads."""
+    if caches[0].is_cuda:
+        from vllm_kvcodec.gpu.cuda_fetcher import CudaFetcher
+
+        return CudaFetcher
+    return Fetcher

@@ -79,6 +79,7 @@ import triton
 import triton.language as tl
 
 from vllm_kvcodec.errors import CodecError, ConfigError, UnsupportedDTypeError
+from vllm_kvcodec.gpu.launch import Launcher, can_run_on, cdiv, interpreted
 
 CODEBOOK_SIZE = 16
 HEADER_BYTES = 20  # 16-byte codebook + u32 escape count
@@ -308,46 +309,8 @@ def _patch(pos_ptr, exp_ptr, out_ptr, err_ptr, n, m, BLOCK: tl.constexpr):
     tl.store(out_ptr + p, ((old & 0x807F) | (ex << 7)).to(tl.int16), mask=write)
 
 
-def interpreted() -> bool:
-    """True when this module's kernels run in Triton's interpreter (TRITON_INTERPRET=1 at import)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_encode, InterpretedFunction)
-
-
-class _Launcher:
-    """Launches the kernels on one device: CUDA compiled, or CPU tensors in the interpreter."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.interpret = interpreted()
-        if device.type == "cpu" and not self.interpret:
-            raise ConfigError(
-                "SplitZip Triton kernels run on CUDA tensors; CPU tensors need Triton's interpreter "
-                "(TRITON_INTERPRET=1 set before triton is first imported)"
-            )
-        if device.type not in ("cpu", "cuda"):
-            raise ConfigError(f"SplitZip Triton kernels run on CUDA tensors, not {device}")
-
-    def __call__(self, kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-        if self.interpret:
-            kwargs.pop("num_warps", None)
-            kernel[grid](*args, **kwargs)
-        else:
-            with torch.cuda.device(self.device):
-                kernel[grid](*args, **kwargs)
-
-
-def can_run_on(device: torch.device | str) -> bool:
-    """Whether the kernels can run on ``device`` in this process."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available()
-    return device.type == "cpu" and interpreted()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+_Launcher = Launcher  # the name gpu_check.py and older callers use
+_cdiv = cdiv
 
 
 def _check_pow2(name: str, value: int, low: int) -> None:

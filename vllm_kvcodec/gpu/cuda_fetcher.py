@@ -1,0 +1,273 @@
+"""The load path on a GPU: fetch on threads -> pinned staging -> H2D, decode, scatter on a side stream.
+
+Same contract as :class:`vllm_kvcodec.fetcher.Fetcher` (``submit`` returns a
+:class:`~vllm_kvcodec.load_job.LoadJob`; failed objects become failed blocks;
+deadlines and cancellation as there), so the worker half drives either one.
+Per object, on an I/O thread:
+
+1. ``store.get`` -> host bytes; header and XXH3 checksum checked on the host;
+   the slot list checked on the host (the scheduler's list: no device sync).
+2. Into a pinned staging buffer (:class:`~.staging.StagingPool`, one per
+   thread): the bf16 ``splitzip`` payload as is, or, for every other codec,
+   the tensor the CPU codec decodes; plus the slots.
+3. On the side stream: H2D copies, then the Triton SplitZip decode (device-
+   side validation flags copied back into the staging buffer), then an event
+   the *I/O thread* waits on: the staging buffer is free again and the flags
+   are read. A payload that fails its checks is never scattered.
+4. On the side stream: the Triton scatter of the whole layer group
+   (:class:`~.scatter_triton.PackedPages`, one launch) or, for layouts it
+   does not cover, each layer's adapter (torch indexing, on the device).
+5. When the last object of a layer group is enqueued, one CUDA event is
+   recorded for the group; ``wait_layer`` waits on the host only until that
+   event *exists* (the objects arrived and were enqueued), then makes the
+   engine's current stream wait on it on the device: the engine's thread never
+   synchronises with the GPU.
+
+Cancellation (the deadline passed) forbids new scatters as on the CPU, then
+makes the engine's stream wait for those already enqueued, so none can land
+after vLLM starts recomputing those blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from storage import Store
+from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.errors import ConfigError
+from vllm_kvcodec.format import ChunkHeader, decode_chunk, read_header
+from vllm_kvcodec.gpu.launch import can_run_on
+from vllm_kvcodec.gpu.scatter_triton import PackedPages, check_slots
+from vllm_kvcodec.gpu.side_stream import SideStream
+from vllm_kvcodec.gpu.staging import StagingPool, align8, host_slots
+from vllm_kvcodec.keys import ObjectAddresses
+from vllm_kvcodec.load_job import LoadJob
+from vllm_kvcodec.paged import PackedKVAdapter, PagedKVAdapter
+
+if TYPE_CHECKING:  # both import vLLM, which the GPU check machine does not have
+    from vllm_kvcodec.gpu.cuda_save import CudaSaveGather
+    from vllm_kvcodec.metadata import ChunkLoad, LoadSpec
+    from vllm_kvcodec.stats import ConnectorStats
+
+logger = logging.getLogger("vllm_kvcodec")
+
+FLAG_BYTES = 8  # two int32 device validation flags of a SplitZip decode
+
+
+class LoadError(Exception):
+    """A stored object could not be used; its blocks are recomputed (as ``fetcher.LoadError``)."""
+
+
+def _one_torch_thread() -> None:
+    torch.set_num_threads(1)  # parallelism comes from the fetch threads (as in fetcher.py)
+
+
+class CudaLoadJob(LoadJob):
+    """A :class:`LoadJob` whose layers are ready on the device through one CUDA event per layer group."""
+
+    def __init__(self, side: SideStream, group_layers: list[list[int]], objects_per_group: int,
+                 req_ids: list[str]) -> None:
+        self.side = side
+        self.group_of = {layer: g for g, layers in enumerate(group_layers) for layer in layers}
+        self.events: list[torch.cuda.Event | None] = [None] * len(group_layers)
+        self._enqueue_left = [objects_per_group] * len(group_layers)
+        super().__init__(group_layers, objects_per_group, req_ids)
+
+    def object_done(self, group: int, obj: int, ok: bool) -> None:
+        # Record the group's event before this object counts: whichever call makes the group
+        # ready comes after the record, so a ready layer always has its event.
+        with self._cond:
+            self._enqueue_left[group] -= 1
+            if self._enqueue_left[group] == 0:
+                self.events[group] = self.side.record()
+        super().object_done(group, obj, ok)
+
+    def wait_layer(self, layer: int, deadline: float) -> bool:
+        if not super().wait_layer(layer, deadline):
+            return False
+        self.side.compute_waits(self.events[self.group_of[layer]])
+        return True
+
+    def cancel(self) -> None:
+        super().cancel()  # no new scatter after this; those in flight are enqueued
+        self.side.compute_waits(self.side.record())
+
+    def settle(self) -> None:
+        """The caller's stream waits for every group (call once ``done`` is set, before using the blocks)."""
+        for event in self.events:
+            self.side.compute_waits(event)
+
+
+class CudaFetcher:
+    """Loads stored objects into paged KV on a CUDA device (or, for tests, a CPU in Triton's interpreter)."""
+
+    def __init__(
+        self,
+        store: Store,
+        addresses: ObjectAddresses,
+        caches: list[torch.Tensor],
+        adapters: list[PagedKVAdapter],
+        threads: int,
+        stats: ConnectorStats,
+        observe_transfer: Callable[[int, float], None] | None = None,
+    ) -> None:
+        self.store, self.addresses, self.stats = store, addresses, stats
+        self.observe_transfer = observe_transfer
+        self.groups, self.caches, self.adapters = addresses.groups, caches, adapters
+        self.device = caches[0].device
+        if not can_run_on(self.device):
+            raise ConfigError(f"the GPU fetcher cannot run Triton kernels on {self.device} in this process")
+        self.side = SideStream(self.device)
+        self.pages = _packed_pages(caches, adapters)
+        self.num_slots = adapters[0].num_slots(caches[0])
+        self.staging = StagingPool(threads, pin=self.device.type == "cuda")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-gpu-fetch", initializer=_one_torch_thread)
+
+    def submit(self, specs: list[LoadSpec], timeout_s: float) -> CudaLoadJob:
+        chunks = [(spec, chunk) for spec in specs for chunk in spec.chunks]
+        job = CudaLoadJob(self.side, [list(g) for g in self.groups], len(chunks), [s.req_id for s in specs])
+        job.deadline = time.monotonic() + timeout_s
+        for g in range(len(self.groups)):
+            for i, (spec, chunk) in enumerate(chunks):
+                job.expect(g, i, spec.req_id, chunk.block_ids)
+        for g in range(len(self.groups)):
+            for i, (_, chunk) in enumerate(chunks):
+                self._pool.submit(self._load_object, job, g, i, chunk)
+        return job
+
+    def _load_object(self, job: CudaLoadJob, group: int, index: int, chunk: ChunkLoad) -> None:
+        ok = False
+        try:
+            if not job.cancelled:
+                self._fetch_decode_scatter(job, group, chunk)
+                ok = True
+        except Exception as exc:  # noqa: BLE001 - any failure means "recompute these blocks"
+            self.stats.add(load_failures=1)
+            logger.warning("kvcodec: GPU load of chunk %s group %d failed, recomputing: %s",
+                           chunk.chunk_hash[:12], group, exc)
+        finally:
+            job.object_done(group, index, ok)
+
+    def _fetch_decode_scatter(self, job: CudaLoadJob, group: int, chunk: ChunkLoad) -> None:
+        key = self.addresses.key(chunk.chunk_hash, group)
+        t0 = time.perf_counter()
+        blob = self.store.get(key)
+        if blob is None:
+            raise LoadError(f"object {key} is missing")
+        t1 = time.perf_counter()
+        if self.observe_transfer is not None:
+            self.observe_transfer(len(blob), t1 - t0)
+        header = read_header(blob)  # sizes and checksum, on the host
+        layers = self.groups[group]
+        self._check(header, len(layers))
+        check_slots(chunk.slots, self.num_slots)
+        kv, slots = self._decode_to_device(blob, header, chunk.slots)
+        t2 = time.perf_counter()
+        part = kv[:, :, chunk.first_token : chunk.first_token + len(chunk.slots)]
+        if not job.begin_write():
+            raise LoadError("load cancelled (timeout)")
+        try:
+            with self.side.active():
+                self._scatter(layers, part, slots)
+        finally:
+            job.end_write()
+        t3 = time.perf_counter()
+        self.stats.add(
+            loaded_objects=1, loaded_bytes=len(blob), loaded_raw_bytes=header.raw_nbytes,
+            fetch_s=t1 - t0, decode_s=t2 - t1, scatter_s=t3 - t2,
+            **({"loaded_tokens": len(chunk.slots)} if group == 0 else {}),
+        )
+        self.stats.add(**{f"codec_{header.codec_id}_loads": 1, "gpu_decoded_objects": int(_on_device(header))})
+
+    def _decode_to_device(self, blob: bytes, header: ChunkHeader, slot_list: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage, copy and decode one object on the side stream; returns once its staging buffer is free."""
+        from vllm_kvcodec.gpu import splitzip_triton as sz
+
+        on_device = _on_device(header)
+        if on_device:
+            body = memoryview(blob).cast("B")[header.payload_offset : header.payload_offset + header.payload_length]
+        else:
+            cpu = decode_chunk(blob)  # validated; raises on anything it cannot vouch for
+            body = cpu.view(-1).view(torch.uint8)
+        at_slots = align8(len(body))
+        at_flags = at_slots + 8 * len(slot_list)
+        with self.staging.take(at_flags + FLAG_BYTES) as host:
+            _copy_into(host[: len(body)], body)
+            slots_host = host_slots(host, at_slots, slot_list)
+            flags_host = host[at_flags:].view(torch.int32)
+            with self.side.active():
+                slots = torch.empty(len(slot_list), dtype=torch.int64, device=self.device)
+                slots.copy_(slots_host, non_blocking=True)
+                if on_device:
+                    n = int(np.prod(header.shape, dtype=np.int64))
+                    payload = sz._aligned_empty(len(body), sz.HEADER_BYTES + (n + 1) // 2, self.device)
+                    payload.copy_(host[: len(body)], non_blocking=True)
+                    flat, flags = sz.decode_splitzip_gpu_async(payload, n)
+                    flags_host.copy_(flags, non_blocking=True)
+                    kv = flat.view(header.shape)
+                else:
+                    raw = torch.empty(len(body), dtype=torch.uint8, device=self.device)
+                    raw.copy_(host[: len(body)], non_blocking=True)
+                    kv = raw.view(cpu.dtype).view(header.shape)
+                    flags_host.zero_()
+                copied = self.side.record()
+            self.side.host_wait(copied)  # this I/O thread only: staging reusable, flags readable
+            sz.raise_if_invalid(flags_host)
+        return kv, slots
+
+    def _scatter(self, layers: range, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        if self.pages is not None:
+            self.pages.scatter(layers.start, kv, slots)
+            return
+        for i, layer in enumerate(layers):
+            self.adapters[layer].scatter(self.caches[layer], slots, kv[i], check=False)
+
+    def _check(self, header: ChunkHeader, num_layers: int) -> None:
+        a = self.adapters[self.groups[0][0]]
+        expected = (num_layers, 2, self.addresses.namespace.chunk_size, a.num_kv_heads, a.head_size)
+        if header.shape != expected or header.dtype.torch_dtype != a.dtype:
+            raise LoadError(f"stored object holds {header.shape} {header.dtype.name.lower()}, expected {expected} {a.dtype}")
+
+    def save_gather(self, saver: object) -> CudaSaveGather:
+        """The save path's gather on the same side stream and pointer table."""
+        from vllm_kvcodec.gpu.cuda_save import CudaSaveGather
+
+        return CudaSaveGather(self.caches, self.adapters, self.side, self.pages, saver)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _on_device(header: ChunkHeader) -> bool:
+    """bf16 SplitZip decodes on the device; every other codec on the CPU (then one H2D copy of the raw KV)."""
+    return header.dtype is DType.BFLOAT16 and header.codec_config == {"id": "splitzip"}
+
+
+def _copy_into(dst: torch.Tensor, src: memoryview | torch.Tensor) -> None:
+    if isinstance(src, torch.Tensor):
+        dst.copy_(src)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: it is only read
+        dst.copy_(torch.frombuffer(src, dtype=torch.uint8))
+
+
+def _packed_pages(caches: list[torch.Tensor], adapters: list[PagedKVAdapter]) -> PackedPages | None:
+    """One pointer table over all layers when they are packed K‖V with one layout; else None (adapters scatter)."""
+    if not all(type(a) is PackedKVAdapter for a in adapters):
+        return None
+    first = caches[0]
+    if first.stride(3) != 1 or any((c.shape, c.stride(), c.dtype) != (first.shape, first.stride(), first.dtype) for c in caches):
+        return None
+    return PackedPages(caches, adapters[0].head_size)
+
+
+__all__ = ["CudaFetcher", "CudaLoadJob"]

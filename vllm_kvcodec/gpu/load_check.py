@@ -1,0 +1,159 @@
+"""A load end to end without vLLM: real KV chunks in a store -> a fetcher -> packed paged caches -> compare.
+
+Shared by the interpreter tests (CPU tensors), the ``gpu``-marked tests and
+the device check (``benchmarks/gpu_check.py``), so all three exercise the same
+odd cases: request block tables in random, non-contiguous order, a chunk whose
+first tokens are already cached (a partial first block), several codecs (the
+bf16 ``splitzip`` decodes on the device, the others on the CPU), and the
+physical stride orders vLLM 0.33 uses for the packed K‖V layout. The expected
+caches come from :class:`~vllm_kvcodec.paged.PackedKVAdapter` (torch indexing
+on the CPU: what the CPU fetcher writes). Imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from storage import open_store
+from vllm_kvcodec.format import encode_chunk
+from vllm_kvcodec.keys import Namespace, ObjectAddresses
+from vllm_kvcodec.paged import Geometry, PackedKVAdapter
+
+#: Physical orders of the 4-D logical view [blocks, heads, block_size, 2*head]:
+#: vLLM 0.33's NHD default (LBNHC: tokens before heads) and HND (LBHNC).
+ORDERS = ("NHD", "HND")
+
+
+@dataclasses.dataclass
+class Chunk:
+    """Duck-types :class:`vllm_kvcodec.metadata.ChunkLoad` (which imports vLLM)."""
+
+    chunk_hash: str
+    first_token: int
+    slots: list[int]
+    block_ids: list[int]
+
+
+@dataclasses.dataclass
+class Spec:
+    """Duck-types :class:`vllm_kvcodec.metadata.LoadSpec`."""
+
+    req_id: str
+    chunks: list[Chunk]
+    is_async: bool = False
+
+
+class Counters:
+    """Duck-types :class:`vllm_kvcodec.stats.ConnectorStats` (which imports vLLM)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+
+    def add(self, **values: float) -> None:
+        for k, v in values.items():
+            self.values[k] = self.values.get(k, 0) + v
+
+
+@dataclasses.dataclass
+class Scenario:
+    kv: torch.Tensor  # [layers, 2, tokens, heads, head] canonical, CPU
+    chunk_size: int
+    block_size: int
+    num_blocks: int
+    addresses: ObjectAddresses
+    store: object
+    specs: list[Spec]
+    codecs: list[str]
+    index: dict[str, int]  # chunk hash -> chunk number in kv
+
+    @property
+    def geometry(self) -> Geometry:
+        _, _, _, heads, head = self.kv.shape
+        return Geometry(num_kv_heads=heads, head_size=head, block_size=self.block_size, dtype=self.kv.dtype)
+
+    def caches(self, device: torch.device | str, order: str = "NHD") -> list[torch.Tensor]:
+        """Zeroed packed caches, one logical ``[blocks, heads, block_size, 2*head]`` view per layer."""
+        layers, _, _, heads, head = self.kv.shape
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}")
+        phys = (self.num_blocks, self.block_size, heads, 2 * head) if order == "NHD" else (self.num_blocks, heads, self.block_size, 2 * head)
+        # one allocation for all layers, as vLLM does, so per-layer views share strides
+        whole = torch.zeros((layers, *phys), dtype=self.kv.dtype, device=device)
+        return [whole[i].transpose(1, 2) if order == "NHD" else whole[i] for i in range(layers)]
+
+    def expected(self, failed_chunks: set[tuple[str, int]] = frozenset()) -> list[torch.Tensor]:
+        """What a correct load leaves in the caches (CPU, adapter scatter); ``failed_chunks``: (hash, group) left out."""
+        caches = self.caches("cpu")
+        adapter = PackedKVAdapter(self.geometry)
+        for spec in self.specs:
+            for chunk in spec.chunks:
+                start = self.index[chunk.chunk_hash] * self.chunk_size + chunk.first_token
+                slots = torch.tensor(chunk.slots, dtype=torch.int64)
+                for g, layers in enumerate(self.addresses.groups):
+                    if (chunk.chunk_hash, g) in failed_chunks:
+                        continue
+                    for layer in layers:
+                        part = self.kv[layer, :, start : start + len(chunk.slots)].contiguous()
+                        adapter.scatter(caches[layer], slots, part)
+        return caches
+
+
+def build(kv: torch.Tensor, *, chunk_size: int, layers_per_object: int, block_size: int,
+          codecs: list[str], first_token: int = 0, requests: int = 2, seed: int = 0) -> Scenario:
+    """Store every chunk of ``kv`` (codec per chunk, cycling through ``codecs``) and plan loading them.
+
+    The chunks are split over ``requests`` requests; each request's blocks
+    are drawn at random (non-contiguous, shuffled) from a cache with spare
+    blocks, and its first chunk loads from ``first_token`` on (the tokens
+    before it stay where vLLM's own prefix cache has them: not written).
+    """
+    layers, _, tokens, heads, head = kv.shape
+    if tokens % chunk_size or chunk_size % block_size:
+        raise ValueError("tokens must be whole chunks and chunks whole blocks")
+    groups = tuple(range(s, min(s + layers_per_object, layers)) for s in range(0, layers, layers_per_object))
+    ns = Namespace(model_id="load-check", dtype=str(kv.dtype).removeprefix("torch."), num_layers=layers,
+                   num_kv_heads=heads, head_dim=head, layout_id="canonical-v1", tp_size=1,
+                   chunk_size=chunk_size, layers_per_object=layers_per_object)
+    addresses = ObjectAddresses(ns, 0, groups)
+    store = open_store(f"memory://load-check-{seed}-{time.monotonic_ns()}")
+    num_chunks = tokens // chunk_size
+    hashes = [f"{seed:08x}{c:024x}" for c in range(num_chunks)]
+    for c, h in enumerate(hashes):
+        codec = codecs[c % len(codecs)]
+        part = kv[:, :, c * chunk_size : (c + 1) * chunk_size]
+        store.put_many([(addresses.key(h, g), encode_chunk(part[r.start : r.stop].contiguous(), codec))
+                        for g, r in enumerate(groups)])
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_chunk = chunk_size // block_size
+    num_blocks = 2 * num_chunks * blocks_per_chunk + 3
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    specs, per_req = [], -(-num_chunks // requests)
+    for r in range(requests):
+        mine = list(range(r * per_req, min((r + 1) * per_req, num_chunks)))
+        if not mine:
+            continue
+        table = [free.pop() for _ in range(len(mine) * blocks_per_chunk)]
+        chunks = []
+        for i, c in enumerate(mine):
+            first = first_token if i == 0 else 0
+            pos = range(i * chunk_size + first, (i + 1) * chunk_size)
+            slots = [table[p // block_size] * block_size + p % block_size for p in pos]
+            blocks = sorted({s // block_size for s in slots})
+            chunks.append(Chunk(hashes[c], first, slots, blocks))
+        specs.append(Spec(f"req-{r}", chunks))
+    return Scenario(kv, chunk_size, block_size, num_blocks, addresses, store, specs, codecs,
+                    {h: c for c, h in enumerate(hashes)})
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def caches_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    return len(got) == len(want) and all(torch.equal(bits(g.cpu()), bits(w)) for g, w in zip(got, want))
+
+
+__all__ = ["ORDERS", "Chunk", "Counters", "Scenario", "Spec", "bits", "build", "caches_equal"]
