@@ -57,6 +57,23 @@ def bench_ttft(
              suffix_tokens=suffix_tokens, repeats=repeats, video=video, quick=quick)
 
 
+@bench_app.command("fuzz")
+def bench_fuzz(
+    output: Path = typer.Option(RESULTS / "fuzz.json", help="JSON file to write."),
+    inputs: int = typer.Option(100_000, help="Hostile inputs in all, shared among the targets."),
+    seed: int = typer.Option(0, help="Seed; input i of a target is rebuilt from (seed, target, i)."),
+    timeout_s: float = typer.Option(30.0, help="Watchdog: one input running longer than this is a hang."),
+    video: bool = typer.Option(True, "--video/--no-video", help="Include the video codec's decoders (PyAV)."),
+    target: Optional[list[str]] = typer.Option(None, "--target", help="Only these targets (repeatable)."),
+) -> None:
+    """Fuzz decode_chunk and every codec decoder: outcomes, allocation, time, crashes and hangs."""
+    from vllm_kvcodec.bench import fuzz
+
+    result = fuzz.run(output, inputs=inputs, seed=seed, timeout_s=timeout_s, video=video, targets=target or None)
+    if not result["clean"]:
+        raise typer.Exit(1)
+
+
 @app.command()
 def inspect(store: str = typer.Argument(..., help="Store URL, e.g. redis://host:6379/0 or file:///path.")) -> None:
     """Namespaces, chunk and object counts, bytes stored vs raw, average ratio and codecs in a store."""
