@@ -82,7 +82,7 @@ def _check(target: Target, rng) -> None:
     )
 
 
-FAST = settings(max_examples=150, deadline=timedelta(seconds=2), suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=300, deadline=timedelta(seconds=2), suppress_health_check=[HealthCheck.too_slow])
 
 
 @FAST
@@ -92,7 +92,7 @@ def test_decode_chunk_rejects_every_raw_mutation(chunk_raw: Target, rng) -> None
     _check(chunk_raw, rng)
 
 
-@settings(max_examples=300, deadline=timedelta(seconds=2), suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=timedelta(seconds=2), suppress_health_check=[HealthCheck.too_slow])
 @given(rng=st.randoms(use_true_random=False))
 def test_decode_chunk_on_resealed_mutations(chunk_resealed: Target, rng) -> None:
     """Forged headers, hostile codec configs and payloads behind a valid checksum: decode or ChunkFormatError."""
@@ -106,7 +106,7 @@ def test_codec_decoder_on_hostile_payloads(codec_target: Target, rng) -> None:
     _check(codec_target, rng)
 
 
-@settings(max_examples=15, deadline=timedelta(seconds=10), suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=timedelta(seconds=10), suppress_health_check=[HealthCheck.too_slow])
 @given(rng=st.randoms(use_true_random=False))
 def test_video_decoder_on_hostile_payloads(video_target: Target, rng) -> None:
     _check(video_target, rng)
@@ -140,3 +140,41 @@ def test_deeply_nested_config_built_by_hand_is_a_format_error() -> None:
     body = _FIXED.pack(MAGIC, 1, 1, 3, len(config), 0, len(payload)) + struct.pack("<3I", 2, 2, 4) + config + payload
     with pytest.raises(ChunkFormatError, match="not ASCII JSON"):
         decode_chunk(body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body)))
+
+
+def test_watchdog_aborts_an_input_that_hangs() -> None:
+    """The long run's per-input watchdog: a child whose input counter stops moving is aborted, and reported."""
+    import multiprocessing
+    import time
+
+    from vllm_kvcodec.bench.fuzz import _watch
+
+    ctx = multiprocessing.get_context("spawn")
+    progress = ctx.RawValue("q", 0)  # input 0 started and never finishes
+    proc = ctx.Process(target=time.sleep, args=(120,))
+    proc.start()
+    t0 = time.monotonic()
+    assert _watch(proc, progress, timeout_s=1.0)
+    assert not proc.is_alive() and proc.exitcode != 0
+    assert time.monotonic() - t0 < 60
+
+
+def test_bench_fuzz_writes_json(tmp_path) -> None:
+    """`kvcodec bench fuzz`, two targets, a few hundred inputs: every input accounted for, nothing but format errors."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "fuzz.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm_kvcodec.bench", "fuzz", "--inputs", "400", "--target", "chunk-resealed",
+         "--target", "codec-rans", "--output", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["clean"] and result["inputs"] == 400
+    by_target = {r["target"]: r for r in result["results"]}
+    assert all(sum(r["outcomes"].values()) == r["inputs"] > 100 for r in result["results"])
+    assert by_target["codec-rans"]["outcomes"].get("CodecError", 0) > 0
+    assert by_target["chunk-resealed"]["outcomes"].get("ok", 0) > 0

@@ -189,9 +189,13 @@ def _watch(proc: Any, progress: Any, timeout_s: float) -> bool:
 
 
 def split_inputs(total: int, names: list[str]) -> dict[str, int]:
+    """``total`` inputs shared by weight, exactly (largest remainders get the leftovers)."""
     weights = {n: WEIGHTS.get(n, 5) for n in names}
     scale = sum(weights.values())
-    counts = {n: -(-total * w // scale) for n, w in weights.items()}  # round up: never under total
+    counts = {n: total * w // scale for n, w in weights.items()}
+    by_remainder = sorted(names, key=lambda n: -(total * weights[n] % scale))
+    for n in by_remainder[: total - sum(counts.values())]:
+        counts[n] += 1
     return counts
 
 
