@@ -25,6 +25,7 @@ import time
 import traceback
 from typing import Any
 
+import pytest
 import torch
 
 from vllm_kvcodec.errors import ChunkFormatError
@@ -133,6 +134,7 @@ def _worker(p: int, store_urls: list[str], all_prompts: list[list[int]], barrier
     results.put(counts)
 
 
+@pytest.mark.redis
 def test_eight_processes_share_one_redis_and_one_file_store(redis_url: str, tmp_path, real_kv_1k) -> None:
     from storage import open_store
 
