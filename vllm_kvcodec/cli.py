@@ -57,6 +57,41 @@ def bench_ttft(
              suffix_tokens=suffix_tokens, repeats=repeats, video=video, quick=quick)
 
 
+@bench_app.command("fuzz")
+def bench_fuzz(
+    output: Path = typer.Option(RESULTS / "fuzz.json", help="JSON file to write."),
+    inputs: int = typer.Option(100_000, help="Hostile inputs in all, shared among the targets."),
+    seed: int = typer.Option(0, help="Seed; input i of a target is rebuilt from (seed, target, i)."),
+    timeout_s: float = typer.Option(30.0, help="Watchdog: one input running longer than this is a hang."),
+    video: bool = typer.Option(True, "--video/--no-video", help="Include the video codec's decoders (PyAV)."),
+    target: Optional[list[str]] = typer.Option(None, "--target", help="Only these targets (repeatable)."),
+) -> None:
+    """Fuzz decode_chunk and every codec decoder: outcomes, allocation, time, crashes and hangs."""
+    from vllm_kvcodec.bench import fuzz
+
+    result = fuzz.run(output, inputs=inputs, seed=seed, timeout_s=timeout_s, video=video, targets=target or None)
+    if not result["clean"]:
+        raise typer.Exit(1)
+
+
+@bench_app.command("memory")
+def bench_memory(
+    output: Path = typer.Option(RESULTS / "memory.json", help="JSON file to write."),
+    tokens: int = typer.Option(32768, help="Prefix length (a multiple of 4096)."),
+    codec: Optional[list[str]] = typer.Option(None, "--codec", help="Codec(s) to measure (repeatable; default rans, raw)."),
+    fetch_threads: int = typer.Option(4, help="Fetcher threads (the connector's default)."),
+    save_threads: int = typer.Option(2, help="Saver threads (the connector's default)."),
+    max_pending_save_bytes: int = typer.Option(512 << 20, help="Saver queue cap in raw bytes (the connector's default)."),
+    step_tokens: int = typer.Option(8192, help="Tokens prefilled per engine step (vLLM's max_num_batched_tokens)."),
+    load: bool = typer.Option(True, "--load/--save-only", help="Also measure loading the saved prefix."),
+) -> None:
+    """Peak RSS of saving and loading a 32k-token prefix through the real Saver and Fetcher, each in a fresh process."""
+    from vllm_kvcodec.bench import memory
+
+    memory.run(output, tokens=tokens, codecs=codec or None, fetch_threads=fetch_threads,
+               save_threads=save_threads, max_pending_save_bytes=max_pending_save_bytes, step_tokens=step_tokens, load=load)
+
+
 @app.command()
 def inspect(store: str = typer.Argument(..., help="Store URL, e.g. redis://host:6379/0 or file:///path.")) -> None:
     """Namespaces, chunk and object counts, bytes stored vs raw, average ratio and codecs in a store."""

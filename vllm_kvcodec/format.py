@@ -170,7 +170,7 @@ def _dump_config(config: dict[str, Any]) -> bytes:
 def _load_config(raw: memoryview) -> dict[str, Any]:
     try:
         config = json.loads(bytes(raw).decode("ascii"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: hostile nesting depth
         raise ChunkFormatError("codec config is not ASCII JSON") from None
     if not isinstance(config, dict) or not isinstance(config.get("id"), str):
         raise ChunkFormatError("codec config must be a JSON object with a string 'id'")
