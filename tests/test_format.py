@@ -158,3 +158,18 @@ def test_mutated_payloads_behind_a_valid_checksum(codec: str, data) -> None:
     except ChunkFormatError:
         return
     assert out.shape == kv.shape and out.dtype == kv.dtype
+
+
+def test_settings_no_encoder_writes_are_rejected(real_chunks) -> None:
+    """A forged header must not steer the decoder (say, 64 libav threads): only get_config() is accepted."""
+    from vllm_kvcodec.format import build_chunk
+
+    kv = real_chunks[0][:2]
+    blob = encode_chunk(kv, "video")
+    header = read_header(blob)
+    payload = bytes(memoryview(blob)[header.payload_offset : header.payload_offset + header.payload_length])
+    honest = build_chunk(payload, header.dtype, header.shape, header.codec_config)
+    assert decode_chunk(honest).equal(kv)
+    forged = build_chunk(payload, header.dtype, header.shape, {**header.codec_config, "threads": 64})
+    with pytest.raises(ChunkFormatError, match="not one an encoder writes"):
+        decode_chunk(forged)

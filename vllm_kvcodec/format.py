@@ -146,6 +146,10 @@ def _codec_for(header: ChunkHeader) -> Codec:
         codec = get_codec(header.codec_config)
     except ConfigError as exc:
         raise ChunkFormatError(f"chunk names a codec this reader cannot build: {exc}") from None
+    if codec.get_config() != header.codec_config:
+        # Encoders write exactly get_config(); anything more (say, an encoder's thread
+        # count) is a forged setting that would steer this decoder's resources.
+        raise ChunkFormatError(f"codec config {header.codec_config} is not one an encoder writes")
     if not codec.supports(header.dtype):
         raise ChunkFormatError(f"codec {header.codec_id!r} does not support {header.dtype.name.lower()}")
     return codec
