@@ -1,17 +1,19 @@
 """The example notebooks in examples/ run top to bottom on the CPU, and are committed without outputs.
 
 Each notebook is executed by nbclient in a Jupyter kernel of this very Python
-(``python3`` resolves to ``sys.executable``), with the repository first on
-``PYTHONPATH``; the executed copy goes to a temporary directory, never back
-into examples/. A notebook passes when no cell raised (the notebooks assert
-their own bit-exact round trips and identical greedy tokens) and it drew at
-least one chart.
+(a ``python3`` kernelspec for ``sys.executable``, first on ``JUPYTER_PATH``) with
+the repository first on ``PYTHONPATH``; the executed copy goes to a temporary
+directory, never back into examples/. A notebook passes when no cell raised (the
+notebooks assert their own bit-exact round trips and identical greedy tokens) and
+it drew at least one chart.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +34,15 @@ NEEDS = {
     "03_lmcache_plugin.ipynb": ("lmcache", "transformers"),
 }
 MARKS = {"02_remote_prefix_cache.ipynb": [pytest.mark.engine]}
+
+
+def this_python_kernelspec(root: Path) -> Path:
+    """A ``python3`` kernelspec for ``sys.executable``; JUPYTER_PATH is searched before a user's own kernels."""
+    spec = root / "kernels" / "python3"
+    spec.mkdir(parents=True)
+    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "Python 3", "language": "python"}))
+    return root
 
 
 def test_the_three_examples_exist() -> None:
@@ -63,12 +74,15 @@ def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     missing = [m for m in NEEDS.get(path.name, ()) if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"{path.name} needs {', '.join(missing)}")
-    # The kernel is a subprocess: it must import this checkout, not another install.
+    # The kernel is a subprocess: it must be this Python and import this checkout, not another install.
+    monkeypatch.setenv("JUPYTER_PATH", str(this_python_kernelspec(tmp_path / "jupyter")))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")  # Agg-rendered PNGs, no display
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
 
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(tmp_path)}})
+    client = NotebookClient(nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(run_dir)}})
     started = time.perf_counter()
     try:
         client.execute()
