@@ -13,8 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None,
-    reason="mkdocs / mkdocs-material not installed (pip install 'vllm-kvcodec[docs]')",
+    any(importlib.util.find_spec(m) is None for m in ("mkdocs", "material", "matplotlib")),
+    reason="mkdocs / mkdocs-material / matplotlib not installed (pip install 'vllm-kvcodec[docs]')",
 )
 
 
@@ -28,3 +28,10 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
     assert (out / "index.html").is_file()
     assert (out / "configuration" / "index.html").is_file()
+    # The benchmark charts, drawn by the mkdocs hook from docs/data/*.json, are in the site and on the page.
+    benchmarks = (out / "benchmarks" / "index.html").read_text()
+    for name in ("codecs", "ttft", "ttft_stages"):
+        svg = (out / "plots" / f"{name}.svg").read_text()
+        assert svg.startswith("<?xml") and "<svg" in svg and "<path" in svg
+        assert f'src="../plots/{name}.svg"' in benchmarks
+    assert '<pre class="mermaid">' in (out / "architecture" / "index.html").read_text()
