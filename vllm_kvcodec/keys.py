@@ -37,6 +37,9 @@ class Namespace:
     layers_per_object: int
     salt: str = ""
     format_version: int = FORMAT_VERSION
+    # Objects are key-bound chunks (format flag KEY_BOUND) and readers require it; part of the
+    # digest so that unbound objects written before this rule are never found, never re-read.
+    key_bound: bool = True
 
     @functools.cached_property
     def digest(self) -> str:

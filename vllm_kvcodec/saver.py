@@ -63,9 +63,10 @@ class Saver:
         try:
             t0 = time.perf_counter()
             codec = self.chooser.codec_for(kv[: len(self.groups[0])])
+            keys = [self.addresses.key(chunk_hash, g) for g in range(len(self.groups))]
             items = [
-                (self.addresses.key(chunk_hash, g), encode_chunk(kv[layers.start : layers.stop], codec))
-                for g, layers in enumerate(self.groups)
+                (key, encode_chunk(kv[layers.start : layers.stop], codec, key=key))  # bound to its key
+                for key, layers in zip(keys, self.groups)
             ]
             t1 = time.perf_counter()
             self.store.put_many(items)
