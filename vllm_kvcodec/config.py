@@ -45,7 +45,7 @@ class ConnectorConfig(BaseModel):
     @classmethod
     def _known_scheme(cls, url: str) -> str:
         scheme = url.split("://", 1)[0] if "://" in url else ""
-        if scheme.split("+")[-1] not in {"file", "redis", "rediss", "memory", "cluster"} and not scheme.startswith(("link+", "redis+")):
+        if scheme.split("+")[-1] not in {"file", "redis", "rediss", "memory", "cluster"} and not scheme.startswith(("link+", "redis+", "faults+")):
             raise ValueError(f"unsupported store URL {url!r}: use file:///path, redis://host:port/db, rediss://... or memory://name")
         return url
 
