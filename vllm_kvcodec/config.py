@@ -34,6 +34,8 @@ class ConnectorConfig(BaseModel):
     save_threads: int = Field(2, ge=1, le=64, description="Threads that encode and put saved chunks.")
     max_pending_save_bytes: int = Field(512 << 20, ge=1 << 20, description="Raw KV bytes allowed to wait for encoding; beyond it new saves are dropped (counted), never blocking the engine.")
     load_timeout_s: float = Field(30.0, gt=0, description="A load not finished by then is abandoned and its blocks recomputed.")
+    store_retry_s: float = Field(5.0, ge=0, description="After the store fails, lookups, loads and saves skip it (misses, recomputes and dropped saves, all counted) for this many seconds before trying it again, so an outage costs one store timeout per interval, not one per request.")
+    require_store_at_startup: bool = Field(False, description="Fail engine start-up when the store cannot be reached; by default the engine starts, serves by recompute and uses the store once it answers.")
     on_load_failure: Literal["recompute", "fail"] = Field("recompute", description="Sets vLLM's kv_load_failure_policy: recompute failed blocks (default) or fail the request.")
     salt: str = Field("", description="Tenant/salt mixed into every key: deployments with different salts never share chunks.")
     model_id: str = Field("", description="Model identity for the key namespace; default: the served model name plus its weights' revision if known.")
