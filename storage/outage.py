@@ -14,10 +14,13 @@ cache is away. Two things would otherwise go wrong during an outage:
 :class:`~storage.errors.StoreUnavailableError` (or cannot be opened), it is
 marked down for ``retry_s`` seconds, during which every call fails at once with
 :class:`StoreDownError` (a ``StoreUnavailableError``, so callers already treat
-it as a miss or a dropped save). The first call after that tries the store
-again (opening it if it never opened); success ends the outage. So an outage
-costs about one timeout per ``retry_s``, not one per request, and recovery
-needs no restart. The start and end of each outage are logged once.
+it as a miss or a dropped save). Calls after that try the store again (opening
+it if it never opened): a failure re-arms the wait, a success ends the outage.
+So an outage costs each calling thread about one timeout per ``retry_s``, not
+one per request, and recovery needs no restart. Calls that arrive together
+after the wait all try, rather than one trying while the others fail: right
+after a store returns, a burst of saves must not be dropped for nothing. The
+start and end of each outage are logged once.
 """
 
 from __future__ import annotations
@@ -92,8 +95,6 @@ class OutageGuard(Store):
                 raise StoreDownError(
                     f"{self.url} is down ({self._reason}); next try in {self._retry_at - now:.1f} s"
                 )
-            if self._retry_at:  # this caller makes the one try; the others keep failing fast
-                self._retry_at = now + self.retry_s
             if self.inner is not None:
                 return self.inner
         try:

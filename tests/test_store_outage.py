@@ -39,16 +39,16 @@ def test_down_store_fails_fast_then_recovers_without_a_restart() -> None:
     assert guard.get("a/b") == b"1" and guard.outages == 1
 
 
-def test_only_one_caller_tries_a_store_that_is_still_down() -> None:
+def test_a_store_still_down_after_the_wait_is_tried_once_more_then_skipped_again() -> None:
     guard = OutageGuard("faults+memory://?down=1", open_store, retry_s=0.2)
     faults = find_fault_injector(guard)
     with pytest.raises(StoreUnavailableError):
         guard.get("a/b")
     time.sleep(0.25)
     with pytest.raises(StoreUnavailableError, match="fault injection"):
-        guard.get("a/b")  # the one try
+        guard.get("a/b")  # tried again
     with pytest.raises(StoreDownError):
-        guard.get("a/b")  # back-off again
+        guard.get("a/b")  # and skipped again
     assert faults.counts()["down"] == 2 and guard.outages == 1
 
 
