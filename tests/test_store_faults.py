@@ -37,7 +37,7 @@ def classify(asked: str, got: bytes | None, inner: MemoryStore) -> str:
         return "none"
     if len(got) < len(want) and want.startswith(got):
         return "truncate"
-    if len(got) == len(want) and 1 <= sum(bin(a ^ b).count("1") for a, b in zip(got, want)) <= 3:
+    if len(got) == len(want) and 1 <= sum((a ^ b).bit_count() for a, b in zip(got, want)) <= 3:
         return "corrupt"
     if any(got == inner.get(k) for k in inner.keys() if k != asked):
         return "swap"

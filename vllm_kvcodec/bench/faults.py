@@ -75,14 +75,16 @@ def run(
     url = f"faults+memory://bench-faults-{uuid.uuid4().hex}?seed={seed}&delay_s={delay_s:g}&{query}"
     started = time.perf_counter()
     log = logging.getLogger("vllm_kvcodec")
-    level = log.level
+    level, torch_threads = log.level, torch.get_num_threads()
     log.setLevel(logging.ERROR)  # one warning per failed object would bury the table
+    torch.set_num_threads(1)  # the checks are small; OpenMP workers would only fight the fetch threads
     try:
         with open_store(url) as store:
             bench = _Bench(store, find_fault_injector(store), kv, chunks, threads)
             outcome = bench.load_until(faulty_loads, timeout_s, random.Random(seed))
     finally:
         log.setLevel(level)
+        torch.set_num_threads(torch_threads)
     result = {
         "machine": machine(),
         "store": "faults+memory://",
