@@ -160,11 +160,16 @@ class FaultInjector(Store):
         kind = self._choose(rng.random())
         if kind is None:
             return value
+        if kind != "swap":  # counted before it acts, so a delay shows while it is happening
+            self._count(kind)
         faulty = getattr(self, f"_{kind}")(rng, key, value)
-        if kind != "swap" or faulty is not value:  # a swap with nothing to swap with did nothing
-            with self._lock:
-                self.injected[kind] += 1
+        if kind == "swap" and faulty is not value:  # a swap with nothing to swap with did nothing
+            self._count(kind)
         return faulty
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.injected[kind] += 1
 
     def _choose(self, u: float) -> str | None:
         for kind in FAULT_KINDS:

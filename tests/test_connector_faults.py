@@ -64,6 +64,19 @@ def serve(llm, prompts, reference, keys, conn) -> None:
         assert conn.flush(60)
 
 
+def test_required_store_that_is_down_stops_the_engine_clearly() -> None:
+    """First in the module, so the engines after it prove it left nothing behind."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    config = connector_config("faults+memory://?down=1", "rans", chunk_size=128, require_store_at_startup=True)
+    try:
+        with pytest.raises(Exception, match="cannot be reached at start-up and require_store_at_startup is set"):
+            with engine(config, dtype="float32", prefix_caching=False):
+                pass
+    finally:
+        cleanup_dist_env_and_memory()  # the engine died half-built: free what it set up for the next one
+
+
 def test_faulty_store_stream_gives_fault_free_tokens(prompts, reference, tmp_path: Path) -> None:
     url = f"faults+file://{tmp_path / 'store'}?{FAULTS}"
     # A fixed model_id fixes the keys, hence which reads the seed faults, on every machine.
@@ -113,3 +126,4 @@ def test_store_down_at_start_and_mid_run_serves_by_recompute_then_hits_again(pro
         time.sleep(0.6)
         serve(llm, prompts, reference, [("b", 4), ("b", 7), ("a", 5)], conn)
         assert conn.stats()["loaded_tokens"] == 3 * PREFIX
+
