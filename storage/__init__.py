@@ -11,11 +11,13 @@ See docs/stores.md for the URL forms, options and guarantees.
 
 from storage.base import MAX_KEY_LENGTH, Store, validate_key
 from storage.errors import InvalidKeyError, StoreError, StoreUnavailableError, StoreURLError
+from storage.faults import FaultInjector
 from storage.link import LinkEmulator
 from storage.url import open_store
 
 __all__ = [
     "MAX_KEY_LENGTH",
+    "FaultInjector",
     "InvalidKeyError",
     "LinkEmulator",
     "Store",

@@ -9,6 +9,8 @@ URL forms:
   ``redis+cluster://``, ``rediss+cluster://``; options in :mod:`storage.redis_store`.
 - ``link+<any of the above>?gbps=G&rtt_ms=R``: the store behind an emulated
   network link (:mod:`storage.link`).
+- ``faults+<any of the above>?seed=S&drop=P&truncate=P&corrupt=P&delay=P&delay_s=D&swap=P&down=0``:
+  the store behind seeded fault injection, for tests (:mod:`storage.faults`).
 
 Backends are imported on demand, so ``redis`` stays an optional dependency.
 """
@@ -20,7 +22,16 @@ from urllib.parse import unquote, urlsplit
 
 from storage.base import Store
 from storage.errors import StoreURLError
-from storage.options import parse_bool, parse_float, parse_size, redact_url, reject_unknown, split_query, with_query
+from storage.options import (
+    parse_bool,
+    parse_float,
+    parse_int,
+    parse_size,
+    redact_url,
+    reject_unknown,
+    split_query,
+    with_query,
+)
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 _REDIS_SCHEMES = {"redis", "rediss", "redis+cluster", "rediss+cluster"}
@@ -33,6 +44,8 @@ def open_store(url: str) -> Store:
     scheme = url.split(":", 1)[0].lower()
     if scheme.startswith("link+"):
         return _open_link(url)
+    if scheme.startswith("faults+"):
+        return _open_faults(url)
     if scheme == "file":
         return _open_file(url)
     if scheme == "memory":
@@ -41,7 +54,7 @@ def open_store(url: str) -> Store:
         return _open_redis(url)
     raise StoreURLError(
         f"unknown store scheme {scheme!r} in {redact_url(url)}; "
-        "use file://, memory://, redis://, rediss://, redis+cluster:// or link+<url>"
+        "use file://, memory://, redis://, rediss://, redis+cluster://, link+<url> or faults+<url>"
     )
 
 
@@ -89,3 +102,17 @@ def _open_link(url: str) -> Store:
     rtt_ms = parse_float("rtt_ms", options.pop("rtt_ms", "0"))
     inner = open_store(with_query(base, options))
     return LinkEmulator(inner, gbps=gbps, rtt_ms=rtt_ms)
+
+
+def _open_faults(url: str) -> Store:
+    from storage.faults import FAULT_KINDS, FaultInjector
+
+    base, options = split_query(url[len("faults+") :])
+    rates = {k: parse_float(k, options.pop(k)) for k in FAULT_KINDS if k in options}
+    seed = parse_int("seed", options.pop("seed", "0"))
+    delay_s = parse_float("delay_s", options.pop("delay_s", "1"))
+    down = parse_bool("down", options.pop("down", "0"))
+    if any(p > 1 for p in rates.values()) or sum(rates.values()) > 1 + 1e-9:
+        raise StoreURLError(f"fault probabilities in {redact_url(url)} must each be <= 1 and sum to at most 1")
+    inner = open_store(with_query(base, options))
+    return FaultInjector(inner, seed=seed, delay_s=delay_s, down=down, **rates)

@@ -93,7 +93,7 @@ def test_wrong_version_and_magic_are_named(small_kv) -> None:
         (7, b"\x00", "ndim"),
         (7, b"\x09", "ndim"),
         (8, struct.pack("<H", 5000), "config"),
-        (10, struct.pack("<H", 1), "flags"),
+        (10, struct.pack("<H", 2), "flags"),
         (12, struct.pack("<Q", 1 << 40), "sizes disagree"),
         (20, struct.pack("<I", 0), "empty"),
         (20, struct.pack("<I", 0xFFFFFFFF), "exceeds"),
@@ -173,3 +173,57 @@ def test_settings_no_encoder_writes_are_rejected(real_chunks) -> None:
     forged = build_chunk(payload, header.dtype, header.shape, {**header.codec_config, "threads": 64})
     with pytest.raises(ChunkFormatError, match="not one an encoder writes"):
         decode_chunk(forged)
+
+
+# --------------------------------------------------------------------------- key binding
+
+
+def test_key_bound_chunk_round_trips_under_its_key(small_kv) -> None:
+    key = "kvc/ns/aaaa/r0g000"
+    blob = encode_chunk(small_kv, "rans", key=key)
+    header = read_header(blob, key=key)
+    assert header.key_digest == fmt.key_digest(key)
+    assert len(blob) == len(encode_chunk(small_kv, "rans")) + 8
+    assert torch.equal(bits_view(decode_chunk(blob, key=key)), bits_view(small_kv))
+    assert torch.equal(bits_view(decode_chunk(blob)), bits_view(small_kv))  # tools without the key still read it
+
+
+def test_swapped_object_is_rejected(real_chunks) -> None:
+    """Two intact chunks of the same shape under each other's keys: the checksum passes, the binding does not."""
+    a, b = "kvc/ns/aaaa/r0g001", "kvc/ns/bbbb/r0g001"
+    blob_a = encode_chunk(real_chunks[0][:5], "rans", key=a)
+    blob_b = encode_chunk(real_chunks[1][:5], "rans", key=b)
+    fmt.verify_checksum(blob_b)
+    with pytest.raises(ChunkFormatError, match="another key"):
+        decode_chunk(blob_b, key=a)
+    with pytest.raises(ChunkFormatError, match="another key"):
+        read_header(blob_a, key=b)
+    assert torch.equal(bits_view(decode_chunk(blob_a, key=a)), bits_view(real_chunks[0][:5]))
+
+
+def test_reader_that_asks_for_a_key_rejects_unbound_chunks(small_kv) -> None:
+    with pytest.raises(ChunkFormatError, match="not bound"):
+        decode_chunk(encode_chunk(small_kv, "raw"), key="kvc/ns/aaaa/r0g000")
+
+
+@pytest.mark.parametrize("codec", ["raw", "rans"])
+def test_every_single_bit_flip_of_a_key_bound_chunk_is_detected(codec: str, small_kv) -> None:
+    key = "kvc/ns/aaaa/r0g000"
+    blob = encode_chunk(small_kv[:1, :, :4], codec, key=key)
+    for i in range(len(blob)):
+        bad = bytearray(blob)
+        bad[i] ^= 1 << (i % 8)
+        with pytest.raises(ChunkFormatError):
+            decode_chunk(bytes(bad), key=key)
+
+
+def test_forged_binding_behind_a_valid_checksum_is_rejected(small_kv) -> None:
+    key = "kvc/ns/aaaa/r0g000"
+    blob = bytearray(encode_chunk(small_kv, "raw", key=key))
+    at = 20 + 4 * small_kv.dim()
+    blob[at : at + 8] = struct.pack("<Q", fmt.key_digest("kvc/ns/bbbb/r0g000"))
+    with pytest.raises(ChunkFormatError, match="another key"):
+        decode_chunk(reseal(blob), key=key)
+    blob[10:12] = struct.pack("<H", 0)  # drop the flag: the sizes no longer add up
+    with pytest.raises(ChunkFormatError, match="sizes disagree"):
+        decode_chunk(reseal(blob))

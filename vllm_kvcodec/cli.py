@@ -92,6 +92,29 @@ def bench_memory(
                save_threads=save_threads, max_pending_save_bytes=max_pending_save_bytes, step_tokens=step_tokens, load=load)
 
 
+@bench_app.command("faults")
+def bench_faults(
+    output: Path = typer.Option(RESULTS / "faults.json", help="JSON file to write."),
+    faulty_loads: int = typer.Option(1000, help="Keep loading until this many loads met at least one fault."),
+    seed: int = typer.Option(1, help="Seed of the fault injection and of the load order."),
+    drop: Optional[float] = typer.Option(None, help="Probability an object read comes back missing (default 0.02)."),
+    truncate: Optional[float] = typer.Option(None, help="Probability an object read comes back truncated (default 0.02)."),
+    corrupt: Optional[float] = typer.Option(None, help="Probability an object read comes back with 1-3 flipped bits (default 0.03)."),
+    delay: Optional[float] = typer.Option(None, help="Probability an object read is delayed past the load timeout (default 0.005)."),
+    swap: Optional[float] = typer.Option(None, help="Probability an object read returns another key's object (default 0.03)."),
+    timeout_s: float = typer.Option(0.25, help="Load timeout (the connector's load_timeout_s)."),
+    delay_s: float = typer.Option(0.4, help="Delay of a delayed read."),
+) -> None:
+    """Loads through the connector's fetch path behind a faulty store: exact, failed, and wrong (must be 0)."""
+    from vllm_kvcodec.bench import faults
+
+    given = {"drop": drop, "truncate": truncate, "corrupt": corrupt, "delay": delay, "swap": swap}
+    rates = {k: v for k, v in given.items() if v is not None}
+    result = faults.run(output, faulty_loads=faulty_loads, seed=seed, rates=rates, timeout_s=timeout_s, delay_s=delay_s)
+    if result["wrong"]:
+        raise typer.Exit(1)
+
+
 @app.command()
 def inspect(store: str = typer.Argument(..., help="Store URL, e.g. redis://host:6379/0 or file:///path.")) -> None:
     """Namespaces, chunk and object counts, bytes stored vs raw, average ratio and codecs in a store."""

@@ -35,6 +35,8 @@ class ConnectorConfig(BaseModel):
     save_threads: int = Field(2, ge=1, le=64, description="Threads that encode and put saved chunks.")
     max_pending_save_bytes: int = Field(512 << 20, ge=1 << 20, description="Raw KV bytes allowed to wait for encoding; beyond it new saves are dropped (counted), never blocking the engine.")
     load_timeout_s: float = Field(30.0, gt=0, description="A load not finished by then is abandoned and its blocks recomputed.")
+    store_retry_s: float = Field(5.0, ge=0, description="After the store fails, lookups, loads and saves skip it (misses, recomputes and dropped saves, all counted) for this many seconds before trying it again, so an outage costs one store timeout per interval, not one per request.")
+    require_store_at_startup: bool = Field(False, description="Fail engine start-up when the store cannot be reached; by default the engine starts, serves by recompute and uses the store once it answers.")
     on_load_failure: Literal["recompute", "fail"] = Field("recompute", description="Sets vLLM's kv_load_failure_policy: recompute failed blocks (default) or fail the request.")
     salt: str = Field("", description="Tenant/salt mixed into every key: deployments with different salts never share chunks.")
     model_id: str = Field("", description="Model identity for the key namespace; default: a fingerprint of the local weights, or the hub name plus revision (set it to pin a hub model whose revision is unset), plus the quantisation.")
@@ -47,7 +49,7 @@ class ConnectorConfig(BaseModel):
     @classmethod
     def _known_scheme(cls, url: str) -> str:
         scheme = url.split("://", 1)[0] if "://" in url else ""
-        if scheme.split("+")[-1] not in {"file", "redis", "rediss", "memory", "cluster"} and not scheme.startswith(("link+", "redis+")):
+        if scheme.split("+")[-1] not in {"file", "redis", "rediss", "memory", "cluster"} and not scheme.startswith(("link+", "redis+", "faults+")):
             raise ValueError(f"unsupported store URL {redact_url(url)!r}: use file:///path, redis://host:port/db, rediss://... or memory://name")
         return url
 

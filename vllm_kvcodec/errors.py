@@ -24,3 +24,7 @@ class CodecError(ChunkFormatError):
 
 class UnsupportedDTypeError(ConfigError):
     """A codec was asked to encode a dtype it cannot represent bit-exactly."""
+
+
+class StoreRequiredError(KVCodecError):
+    """The store cannot be reached at start-up and the configuration requires it."""

@@ -85,7 +85,7 @@ class Fetcher:
         t1 = time.perf_counter()
         if self.observe_transfer is not None:
             self.observe_transfer(len(blob), t1 - t0)
-        kv = decode_chunk(blob)
+        kv = decode_chunk(blob, key=key)  # key-bound: a swapped object is rejected, not loaded
         t2 = time.perf_counter()
         layers = self.groups[group]
         self._check(kv, len(layers))

@@ -2,7 +2,11 @@
 
 Byte-level spec in ``docs/format.md``. A reader needs nothing but the blob: the
 header names the codec and its parameters, the dtype and the shape, and the
-trailer is an XXH3-64 over everything before it. Decoding validates each field
+trailer is an XXH3-64 over everything before it. A chunk may be bound to the
+store key it was written under (flag ``KEY_BOUND``: an XXH3-64 digest of the
+key in the header), so a reader that knows which key it asked for can tell a
+swapped or misplaced object, which a checksum alone cannot: it is intact, just
+not the chunk that was asked for. Decoding validates each field
 and size before it allocates, and raises :class:`ChunkFormatError` (or a
 subclass) on anything it cannot vouch for, so it never returns wrong data.
 """
@@ -34,6 +38,10 @@ FALLBACK_CODEC = "zstd"
 
 _FIXED = struct.Struct("<4sHBBHHQ")  # magic, version, dtype, ndim, config_len, flags, payload_len
 _CHECKSUM = struct.Struct("<Q")
+_KEY_DIGEST = struct.Struct("<Q")
+#: Header flag: the key digest (XXH3-64 of the store key's ASCII bytes) follows the shape.
+KEY_BOUND = 0x1
+_KNOWN_FLAGS = KEY_BOUND
 MIN_CHUNK_BYTES = _FIXED.size + _CHECKSUM.size
 
 
@@ -47,6 +55,7 @@ class ChunkHeader:
     codec_config: dict[str, Any]
     payload_offset: int
     payload_length: int
+    key_digest: int | None = None  # XXH3-64 of the key the chunk is bound to, None if unbound
 
     @property
     def codec_id(self) -> str:
@@ -62,26 +71,40 @@ def default_codec_for(dtype: DType) -> str:
     return DEFAULT_CODEC if get_codec(DEFAULT_CODEC).supports(dtype) else FALLBACK_CODEC
 
 
-def encode_chunk(kv: torch.Tensor, codec: str | dict[str, Any] | Codec | None = None, **params: Any) -> bytes:
+def key_digest(key: str) -> int:
+    """What a key-bound chunk stores of its key: XXH3-64 (seed 0) of the key's ASCII bytes."""
+    return xxhash.xxh3_64_intdigest(key.encode("ascii"))
+
+
+def encode_chunk(
+    kv: torch.Tensor, codec: str | dict[str, Any] | Codec | None = None, *, key: str | None = None, **params: Any
+) -> bytes:
     """Encode one KV chunk (any shape, bf16/fp16/fp32) into a self-describing blob.
 
-    ``codec=None`` picks :func:`default_codec_for` the tensor's dtype.
+    ``codec=None`` picks :func:`default_codec_for` the tensor's dtype. ``key``
+    binds the chunk to the store key it will be written under (see
+    :func:`read_header`).
     """
     bits, dtype = tensor_to_bits(kv)
     coder = get_codec(codec if codec is not None else default_codec_for(dtype), **params)
     coder.check_dtype(dtype)
     _check_shape(tuple(bits.shape))
-    return build_chunk(coder.encode(bits, dtype), dtype, tuple(bits.shape), coder.get_config())
+    return build_chunk(coder.encode(bits, dtype), dtype, tuple(bits.shape), coder.get_config(), key=key)
 
 
-def build_chunk(payload: bytes | memoryview, dtype: DType, shape: tuple[int, ...], codec_config: dict[str, Any]) -> bytes:
+def build_chunk(
+    payload: bytes | memoryview, dtype: DType, shape: tuple[int, ...], codec_config: dict[str, Any],
+    *, key: str | None = None,
+) -> bytes:
     """Wrap a codec payload made elsewhere (a GPU encoder, say) in header and checksum."""
     _check_shape(shape)
     config = _dump_config(codec_config)
     payload = memoryview(payload).cast("B")
+    flags = KEY_BOUND if key is not None else 0
     head = b"".join((
-        _FIXED.pack(MAGIC, VERSION, int(dtype), len(shape), len(config), 0, len(payload)),
+        _FIXED.pack(MAGIC, VERSION, int(dtype), len(shape), len(config), flags, len(payload)),
         struct.pack(f"<{len(shape)}I", *shape),
+        _KEY_DIGEST.pack(key_digest(key)) if key is not None else b"",
         config,
     ))
     digest = xxhash.xxh3_64(head)
@@ -89,8 +112,12 @@ def build_chunk(payload: bytes | memoryview, dtype: DType, shape: tuple[int, ...
     return b"".join((head, payload, _CHECKSUM.pack(digest.intdigest())))  # the payload is copied once
 
 
-def read_header(blob: bytes | bytearray | memoryview, verify: bool = True) -> ChunkHeader:
-    """Parse and validate a chunk's header (and, by default, its checksum) without decoding."""
+def read_header(blob: bytes | bytearray | memoryview, verify: bool = True, key: str | None = None) -> ChunkHeader:
+    """Parse and validate a chunk's header (and, by default, its checksum) without decoding.
+
+    With ``key``, the chunk must also be bound to that key: an unbound chunk, or
+    one bound to another key (a swapped object), is rejected.
+    """
     buf = memoryview(blob).cast("B")
     if len(buf) < MIN_CHUNK_BYTES:
         raise ChunkFormatError(f"blob of {len(buf)} bytes is shorter than any chunk ({MIN_CHUNK_BYTES})")
@@ -101,7 +128,7 @@ def read_header(blob: bytes | bytearray | memoryview, verify: bool = True) -> Ch
         raise ChunkFormatError(f"unsupported chunk format version {version} (this reader knows {VERSION})")
     if verify:
         verify_checksum(buf)
-    if flags != 0:
+    if flags & ~_KNOWN_FLAGS:
         raise ChunkFormatError(f"unknown header flags {flags:#x}")
     dtype = DType.from_wire(dtype_code)
     if not 1 <= ndim <= MAX_NDIM:
@@ -109,7 +136,8 @@ def read_header(blob: bytes | bytearray | memoryview, verify: bool = True) -> Ch
     if config_len > MAX_CONFIG_BYTES:
         raise ChunkFormatError(f"codec config of {config_len} bytes exceeds {MAX_CONFIG_BYTES}")
     shape_at = _FIXED.size
-    config_at = shape_at + 4 * ndim
+    digest_at = shape_at + 4 * ndim
+    config_at = digest_at + (_KEY_DIGEST.size if flags & KEY_BOUND else 0)
     payload_at = config_at + config_len
     if payload_at + payload_len + _CHECKSUM.size != len(buf):
         raise ChunkFormatError(
@@ -117,8 +145,18 @@ def read_header(blob: bytes | bytearray | memoryview, verify: bool = True) -> Ch
         )
     shape = struct.unpack_from(f"<{ndim}I", buf, shape_at)
     _check_shape(shape)
+    bound = _KEY_DIGEST.unpack_from(buf, digest_at)[0] if flags & KEY_BOUND else None
+    if key is not None:
+        _check_binding(bound, key)
     config = _load_config(buf[config_at:payload_at])
-    return ChunkHeader(version, dtype, shape, config, payload_at, payload_len)
+    return ChunkHeader(version, dtype, shape, config, payload_at, payload_len, bound)
+
+
+def _check_binding(bound: int | None, key: str) -> None:
+    if bound is None:
+        raise ChunkFormatError(f"chunk under {key} is not bound to a key; a reader that asks for a key needs one that is")
+    if bound != key_digest(key):
+        raise ChunkFormatError(f"chunk under {key} was written for another key (a swapped or misplaced object)")
 
 
 def verify_checksum(blob: bytes | bytearray | memoryview) -> None:
@@ -130,9 +168,12 @@ def verify_checksum(blob: bytes | bytearray | memoryview) -> None:
         raise ChunkFormatError("checksum mismatch: the chunk is corrupted")
 
 
-def decode_chunk(blob: bytes | bytearray | memoryview) -> torch.Tensor:
-    """Decode a blob made by :func:`encode_chunk` into a new CPU tensor, bit-exact."""
-    header = read_header(blob)
+def decode_chunk(blob: bytes | bytearray | memoryview, key: str | None = None) -> torch.Tensor:
+    """Decode a blob made by :func:`encode_chunk` into a new CPU tensor, bit-exact.
+
+    ``key``: the store key the blob was read from; the chunk must be bound to it.
+    """
+    header = read_header(blob, key=key)
     codec = _codec_for(header)
     payload = memoryview(blob).cast("B")[header.payload_offset : header.payload_offset + header.payload_length]
     bits = codec.decode(payload, header.dtype, header.shape)
@@ -182,6 +223,6 @@ def _load_config(raw: memoryview) -> dict[str, Any]:
 
 
 __all__ = [
-    "ChunkFormatError", "ChunkHeader", "DEFAULT_CODEC", "KVCodecError", "MAGIC", "VERSION",
-    "build_chunk", "decode_chunk", "encode_chunk", "read_header", "verify_checksum",
+    "ChunkFormatError", "ChunkHeader", "DEFAULT_CODEC", "KEY_BOUND", "KVCodecError", "MAGIC", "VERSION",
+    "build_chunk", "decode_chunk", "encode_chunk", "key_digest", "read_header", "verify_checksum",
 ]

@@ -41,6 +41,9 @@ class Namespace:
     salt: str = ""
     compute: str = ""  # identity.compute_identity, or "" where chunks are shared across platforms
     format_version: int = FORMAT_VERSION
+    # Objects are key-bound chunks (format flag KEY_BOUND) and readers require it; part of the
+    # digest so that unbound objects written before this rule are never found, never re-read.
+    key_bound: bool = True
 
     @functools.cached_property
     def digest(self) -> str:

@@ -3,7 +3,8 @@
 ``submit`` only queues a gathered chunk (already copied out of paged memory),
 so the engine never waits on encoding or the network. Queued raw bytes are
 capped; past the cap new chunks are dropped and counted (a dropped save is a
-future cache miss, never an error).
+future cache miss, never an error). While the store is known to be down, new
+chunks are dropped (counted, one warning per outage) before any encoding work.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -33,9 +35,12 @@ class Saver:
         threads: int,
         max_pending_bytes: int,
         stats: ConnectorStats,
+        store_down: Callable[[], bool] = lambda: False,
     ) -> None:
         self.store, self.addresses, self.groups = store, addresses, addresses.groups
         self.chooser, self.stats, self.max_pending = chooser, stats, max_pending_bytes
+        self.store_down = store_down
+        self._dropping_for_outage = False
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-save")
         self._lock = threading.Lock()
         self._pending = 0
@@ -44,6 +49,8 @@ class Saver:
     def submit(self, chunk_hash: str, kv: torch.Tensor) -> bool:
         """Queue ``kv`` ``[layers, 2, chunk, heads, dim]`` for encoding and storing."""
         nbytes = kv.numel() * kv.element_size()
+        if self._store_is_down():
+            return False
         with self._lock:
             if self._pending + nbytes > self.max_pending:
                 self.stats.add(saves_dropped=1)
@@ -55,6 +62,16 @@ class Saver:
         future.add_done_callback(self._forget)
         return True
 
+    def _store_is_down(self) -> bool:
+        """Drop (and count) saves while the store is down; warn once per outage."""
+        down = self.store_down()
+        if down:
+            self.stats.add(saves_dropped_store_down=1)
+            if not self._dropping_for_outage:
+                logger.warning("kvcodec: store is down; dropping chunk saves until it answers again")
+        self._dropping_for_outage = down
+        return down
+
     def _forget(self, future: Future) -> None:
         with self._lock:
             self._futures.discard(future)
@@ -63,9 +80,10 @@ class Saver:
         try:
             t0 = time.perf_counter()
             codec = self.chooser.codec_for(kv[: len(self.groups[0])])
+            keys = [self.addresses.key(chunk_hash, g) for g in range(len(self.groups))]
             items = [
-                (self.addresses.key(chunk_hash, g), encode_chunk(kv[layers.start : layers.stop], codec))
-                for g, layers in enumerate(self.groups)
+                (key, encode_chunk(kv[layers.start : layers.stop], codec, key=key))  # bound to its key
+                for key, layers in zip(keys, self.groups)
             ]
             t1 = time.perf_counter()
             self.store.put_many(items)

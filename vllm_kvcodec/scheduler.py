@@ -13,14 +13,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING
 
-from storage import StoreError, open_store
+from storage import StoreError
+from storage.outage import StoreDownError
 from vllm_kvcodec.config import ConnectorConfig
 from vllm_kvcodec.identity import PLAIN, prompt_identity
 from vllm_kvcodec.keys import Namespace, chunk_hashes, object_key
 from vllm_kvcodec.metadata import ChunkLoad, KVCodecMetadata, LoadSpec, SaveSpec
 from vllm_kvcodec.stats import ConnectorStats
+from vllm_kvcodec.store_access import open_connector_store
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -29,6 +32,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm_kvcodec")
 RECENT_SAVES = 1 << 16  # chunk hashes remembered for de-duplicating saves (about 2 MB)
+# How long a handed-out save suppresses saving the same chunk again. It only has to cover the
+# time a save takes to land (later lookups then hit and plan no save); a save that never landed
+# (dropped in an outage, evicted) must not keep its chunk out of the store for longer.
+RECENT_SAVE_S = 60.0
 
 
 @dataclasses.dataclass
@@ -52,13 +59,13 @@ class SchedulerHalf:
         self.tp_size = tp_size
         self.block_size = block_size
         self.chunk = config.chunk_size
-        self.store = open_store(config.store)
+        self.store = open_connector_store(config)
         self.stats = ConnectorStats()
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: list[LoadSpec] = []
         # Chunks recently handed to the worker for saving: a burst of requests sharing a new
         # prefix looks it up before the first save lands, and must not encode and put it again.
-        self._recently_saved: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._recently_saved: collections.OrderedDict[str, float] = collections.OrderedDict()
 
     # ---- lookup ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -90,6 +97,9 @@ class SchedulerHalf:
         keys = [self._keys(h) for h in hashes]
         try:
             found = self.store.exists_many([k for ks in keys for k in ks])
+        except StoreDownError:  # known outage, already logged once: a miss at no cost
+            self.stats.add(lookup_failures=1, lookups_store_down=1)
+            return 0
         except StoreError as exc:
             self.stats.add(lookup_failures=1)
             logger.warning("kvcodec: store lookup failed, computing the prefix instead: %s", exc)
@@ -170,11 +180,16 @@ class SchedulerHalf:
         return saves
 
     def _claim_save(self, chunk_hash: str) -> bool:
-        if chunk_hash in self._recently_saved:
-            self._recently_saved.move_to_end(chunk_hash)
+        now = time.monotonic()
+        claimed = self._recently_saved.get(chunk_hash)
+        if claimed is not None and now - claimed < RECENT_SAVE_S:
             self.stats.add(saves_deduplicated=1)
             return False
-        self._recently_saved[chunk_hash] = None
+        if self.store.is_down:  # the worker will drop this save: let the next request try again
+            self._recently_saved.pop(chunk_hash, None)
+            return True
+        self._recently_saved[chunk_hash] = now
+        self._recently_saved.move_to_end(chunk_hash)
         if len(self._recently_saved) > RECENT_SAVES:
             self._recently_saved.popitem(last=False)
         return True

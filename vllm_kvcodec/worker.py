@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from storage import open_store
 from storage.options import redact_url
 from vllm_kvcodec.codec_choice import CodecChooser
 from vllm_kvcodec.config import ConnectorConfig
@@ -34,6 +33,7 @@ from vllm_kvcodec.metadata import KVCodecMetadata
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, adapters_for, shared_kv_layers
 from vllm_kvcodec.saver import Saver
 from vllm_kvcodec.stats import ConnectorStats
+from vllm_kvcodec.store_access import open_connector_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,7 +58,7 @@ class WorkerHalf:
         self.chooser = CodecChooser(codec, decoders=min(config.fetch_threads, os.cpu_count() or 1))
         if self.chooser.fixed is not None:
             self.chooser.fixed.check_dtype(DType.parse(namespace.dtype))  # fail at start-up, not on every save
-        self.store = open_store(config.store)
+        self.store = open_connector_store(config)
         self.fetcher: Fetcher | None = None
         self.saver: Saver | None = None
         self._layer_of: dict[str, int] = {}
@@ -92,7 +92,8 @@ class WorkerHalf:
         self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered,
                                               self.config.fetch_threads, self.stats, self.chooser.observe_transfer)
         self.saver = Saver(self.store, addresses, self.chooser,
-                           self.config.save_threads, self.config.max_pending_save_bytes, self.stats)
+                           self.config.save_threads, self.config.max_pending_save_bytes, self.stats,
+                           store_down=lambda: self.store.is_down)
         if caches[0].is_cuda:
             self.gpu_save = self.fetcher.save_gather(self.saver)
         logger.info("kvcodec: %d KV layers in %d groups, layout %s, store %s, codec %s",
