@@ -191,7 +191,7 @@ def test_gpu_fetcher_falls_back_to_the_adapters_for_other_strides(real_kv_1k) ->
     assert lc.caches_equal(caches, sc.expected())
 
 
-def _bad_positions(blob: bytes) -> bytes:
+def _bad_positions(blob: bytes, key: str) -> bytes:
     """The same splitzip chunk with two escape positions swapped: a valid checksum, invalid content."""
     head = read_header(blob)
     payload = bytearray(memoryview(blob)[head.payload_offset : head.payload_offset + head.payload_length])
@@ -202,7 +202,7 @@ def _bad_positions(blob: bytes) -> bytes:
     assert m >= 2, "the test needs a chunk with escapes"
     at = 20 + (n + 1) // 2 + n
     payload[at : at + 4], payload[at + 4 : at + 8] = payload[at + 4 : at + 8], payload[at : at + 4]
-    return build_chunk(bytes(payload), head.dtype, head.shape, head.codec_config)
+    return build_chunk(bytes(payload), head.dtype, head.shape, head.codec_config, key=key)
 
 
 def test_gpu_fetcher_reports_failed_objects_and_never_writes_them(real_kv_1k) -> None:
@@ -212,7 +212,7 @@ def test_gpu_fetcher_reports_failed_objects_and_never_writes_them(real_kv_1k) ->
     sc.store.delete(key(chunks[0].chunk_hash, 0))  # missing
     blob = sc.store.get(key(chunks[1].chunk_hash, 1))
     sc.store.put(key(chunks[1].chunk_hash, 1), blob[:-9] + bytes([blob[-9] ^ 1]) + blob[-8:])  # checksum fails
-    sc.store.put(key(chunks[2].chunk_hash, 0), _bad_positions(sc.store.get(key(chunks[2].chunk_hash, 0))))
+    sc.store.put(key(chunks[2].chunk_hash, 0), _bad_positions(sc.store.get(key(chunks[2].chunk_hash, 0)), key(chunks[2].chunk_hash, 0)))
     gpu, cpu = sc.caches("cpu"), sc.caches("cpu")
     job = _run(CudaFetcher, sc, gpu)
     cpu_job = _run(Fetcher, sc, cpu)
@@ -226,7 +226,7 @@ def test_gpu_fetcher_reports_failed_objects_and_never_writes_them(real_kv_1k) ->
 def test_gpu_fetcher_refuses_objects_of_another_shape(real_kv_1k) -> None:
     sc = _scenario(real_kv_1k, ["splitzip"], seed=2)
     chunk = sc.specs[0].chunks[0]
-    wrong = encode_chunk(sc.kv[:2, :, :8].contiguous(), "splitzip")  # 8 tokens, not 16
+    wrong = encode_chunk(sc.kv[:2, :, :8].contiguous(), "splitzip", key=sc.addresses.key(chunk.chunk_hash, 1))  # 8 tokens, not 16
     sc.store.put(sc.addresses.key(chunk.chunk_hash, 1), wrong)
     gpu = sc.caches("cpu")
     job = _run(CudaFetcher, sc, gpu)

@@ -165,7 +165,7 @@ class CudaFetcher:
         t1 = time.perf_counter()
         if self.observe_transfer is not None:
             self.observe_transfer(len(blob), t1 - t0)
-        header = read_header(blob)  # sizes and checksum, on the host
+        header = read_header(blob, key=key)  # sizes, checksum and key binding, on the host
         layers = self.groups[group]
         self._check(header, len(layers))
         check_slots(chunk.slots, self.num_slots)

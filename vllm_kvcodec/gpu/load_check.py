@@ -124,7 +124,7 @@ def build(kv: torch.Tensor, *, chunk_size: int, layers_per_object: int, block_si
     for c, h in enumerate(hashes):
         codec = codecs[c % len(codecs)]
         part = kv[:, :, c * chunk_size : (c + 1) * chunk_size]
-        store.put_many([(addresses.key(h, g), encode_chunk(part[r.start : r.stop].contiguous(), codec))
+        store.put_many([(addresses.key(h, g), encode_chunk(part[r.start : r.stop].contiguous(), codec, key=addresses.key(h, g)))
                         for g, r in enumerate(groups)])
     gen = torch.Generator().manual_seed(seed)
     blocks_per_chunk = chunk_size // block_size
