@@ -487,18 +487,6 @@ class _CollectingSaver:
         return True
 
 
-def _corrupt_positions(blob: bytes) -> bytes:
-    """The same splitzip chunk with two escape positions swapped: valid checksum, invalid on the device."""
-    from vllm_kvcodec.format import build_chunk, read_header
-
-    head = read_header(blob)
-    p = bytearray(memoryview(blob)[head.payload_offset : head.payload_offset + head.payload_length])
-    n = int(np.prod(head.shape))
-    at = 20 + (n + 1) // 2 + n
-    p[at : at + 4], p[at + 4 : at + 8] = p[at + 4 : at + 8], p[at : at + 4]
-    return build_chunk(bytes(p), head.dtype, head.shape, head.codec_config)
-
-
 def sec_gpu_fetcher(d: dict) -> None:
     """Real KV chunks (splitzip and CPU codecs) in a memory store -> CudaFetcher -> packed caches -> gather -> compare."""
     from vllm_kvcodec.gpu import load_check as lc
@@ -572,7 +560,7 @@ def sec_gpu_fetcher(d: dict) -> None:
     sc = lc.build(kv, chunk_size=chunk, layers_per_object=per_object, block_size=block, codecs=["splitzip"], seed=9)
     bad = sc.specs[0].chunks[0]
     key = sc.addresses.key(bad.chunk_hash, 0)
-    sc.store.put(key, _corrupt_positions(sc.store.get(key)))
+    sc.store.put(key, lc.swap_escape_positions(sc.store.get(key), key))
     caches = sc.caches(DEVICE)
     fetcher = CudaFetcher(sc.store, sc.addresses, caches, [PackedKVAdapter(sc.geometry)] * len(caches), threads, lc.Counters())
     try:

@@ -18,7 +18,7 @@ import torch
 from storage import open_store
 from vllm_kvcodec.codec_choice import CodecChooser
 from vllm_kvcodec.fetcher import Fetcher
-from vllm_kvcodec.format import build_chunk, decode_chunk, encode_chunk, read_header
+from vllm_kvcodec.format import decode_chunk, encode_chunk
 from vllm_kvcodec.gpu import load_check as lc
 from vllm_kvcodec.gpu.cuda_fetcher import CudaFetcher
 from vllm_kvcodec.gpu.launch import interpreted
@@ -191,20 +191,6 @@ def test_gpu_fetcher_falls_back_to_the_adapters_for_other_strides(real_kv_1k) ->
     assert lc.caches_equal(caches, sc.expected())
 
 
-def _bad_positions(blob: bytes, key: str) -> bytes:
-    """The same splitzip chunk with two escape positions swapped: a valid checksum, invalid content."""
-    head = read_header(blob)
-    payload = bytearray(memoryview(blob)[head.payload_offset : head.payload_offset + head.payload_length])
-    n = 1
-    for d in head.shape:
-        n *= d
-    m = int.from_bytes(payload[16:20], "little")
-    assert m >= 2, "the test needs a chunk with escapes"
-    at = 20 + (n + 1) // 2 + n
-    payload[at : at + 4], payload[at + 4 : at + 8] = payload[at + 4 : at + 8], payload[at : at + 4]
-    return build_chunk(bytes(payload), head.dtype, head.shape, head.codec_config, key=key)
-
-
 def test_gpu_fetcher_reports_failed_objects_and_never_writes_them(real_kv_1k) -> None:
     sc = _scenario(real_kv_1k, ["splitzip"], seed=1)
     chunks = [c for spec in sc.specs for c in spec.chunks]
@@ -212,7 +198,7 @@ def test_gpu_fetcher_reports_failed_objects_and_never_writes_them(real_kv_1k) ->
     sc.store.delete(key(chunks[0].chunk_hash, 0))  # missing
     blob = sc.store.get(key(chunks[1].chunk_hash, 1))
     sc.store.put(key(chunks[1].chunk_hash, 1), blob[:-9] + bytes([blob[-9] ^ 1]) + blob[-8:])  # checksum fails
-    sc.store.put(key(chunks[2].chunk_hash, 0), _bad_positions(sc.store.get(key(chunks[2].chunk_hash, 0)), key(chunks[2].chunk_hash, 0)))
+    sc.store.put(key(chunks[2].chunk_hash, 0), lc.swap_escape_positions(sc.store.get(key(chunks[2].chunk_hash, 0)), key(chunks[2].chunk_hash, 0)))
     gpu, cpu = sc.caches("cpu"), sc.caches("cpu")
     job = _run(CudaFetcher, sc, gpu)
     cpu_job = _run(Fetcher, sc, cpu)

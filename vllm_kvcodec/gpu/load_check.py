@@ -157,3 +157,22 @@ def caches_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
 
 
 __all__ = ["ORDERS", "Chunk", "Counters", "Scenario", "Spec", "bits", "build", "caches_equal"]
+
+
+def swap_escape_positions(blob: bytes, key: str) -> bytes:
+    """The same splitzip chunk with two escape positions swapped: a valid checksum and binding, invalid content.
+
+    Only the device decoder's flags can catch it, which is what the tests and the device check want to see.
+    """
+    from vllm_kvcodec.format import build_chunk, read_header
+
+    head = read_header(blob, key=key)
+    payload = bytearray(memoryview(blob)[head.payload_offset : head.payload_offset + head.payload_length])
+    n = 1
+    for d in head.shape:
+        n *= d
+    if int.from_bytes(payload[16:20], "little") < 2:
+        raise ValueError("the chunk has fewer than two escapes to swap")
+    at = 20 + (n + 1) // 2 + n
+    payload[at : at + 4], payload[at + 4 : at + 8] = payload[at + 4 : at + 8], payload[at : at + 4]
+    return build_chunk(bytes(payload), head.dtype, head.shape, head.codec_config, key=key)
