@@ -60,3 +60,16 @@ def test_burst_sharing_a_new_prefix_saves_it_once(text, tmp_path) -> None:
         llm.generate(burst, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
         assert conn.flush(120)
         assert conn.stats()["saved_chunks"] == 2  # chunks 0 and 1 of the shared 600 tokens, once
+
+
+def test_save_cap_applies_before_gathering(text, recompute, tmp_path) -> None:
+    """A chunk that does not fit under max_pending_save_bytes is never copied out of paged memory."""
+    url = f"file://{tmp_path / 'store'}"
+    cap = 12 << 20  # two 128-token float32 chunks (5.9 MB each) fit, a third does not
+    with engine(connector_config(url, "raw", chunk_size=128, save_threads=1, max_pending_save_bytes=cap), dtype="float32") as llm:
+        conn = worker_connector()
+        assert greedy(llm, text[:600]) == recompute["600"]  # one 512-token step completes 4 chunks
+        assert conn.flush(120)
+        stats = conn.stats()
+        assert stats["saved_chunks"] == 2 and stats["saves_dropped"] == 2, stats
+        assert stats["saved_raw_bytes"] <= cap

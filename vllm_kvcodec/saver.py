@@ -24,6 +24,7 @@ from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")
+DROP_LOG_INTERVAL_S = 10.0
 
 
 class Saver:
@@ -45,6 +46,8 @@ class Saver:
         self._lock = threading.Lock()
         self._pending = 0
         self._futures: set[Future] = set()
+        self._last_drop_log = -DROP_LOG_INTERVAL_S
+        self._drops_unlogged = 0
 
     def submit(self, chunk_hash: str, kv: torch.Tensor) -> bool:
         """Queue ``kv`` ``[layers, 2, chunk, heads, dim]`` for encoding and storing."""
@@ -53,14 +56,28 @@ class Saver:
             return False
         with self._lock:
             if self._pending + nbytes > self.max_pending:
-                self.stats.add(saves_dropped=1)
-                logger.warning("kvcodec: save queue full (%d bytes pending), dropping a chunk save", self._pending)
+                self.drop("at submit")
                 return False
             self._pending += nbytes
             future = self._pool.submit(self._encode_put, chunk_hash, kv, nbytes)
             self._futures.add(future)
         future.add_done_callback(self._forget)
         return True
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more raw KV fit under the cap now (checked before gathering it)."""
+        with self._lock:
+            return self._pending + nbytes <= self.max_pending
+
+    def drop(self, what: str, waiting: int = 0) -> None:
+        """Count a save that did not fit; warn at most every DROP_LOG_INTERVAL_S (a long prefill drops many)."""
+        self.stats.add(saves_dropped=1)
+        self._drops_unlogged += 1
+        now = time.monotonic()
+        if now - self._last_drop_log >= DROP_LOG_INTERVAL_S:
+            logger.warning("kvcodec: save queue full (%d of %d bytes in use), dropped %d chunk save(s) %s",
+                           self._pending + waiting, self.max_pending, self._drops_unlogged, what)
+            self._last_drop_log, self._drops_unlogged = now, 0
 
     def _store_is_down(self) -> bool:
         """Drop (and count) saves while the store is down; warn once per outage."""

@@ -69,6 +69,8 @@ class WorkerHalf:
         self.recent_loads: collections.deque = collections.deque(maxlen=64)  # for inspection and tests
         self._gathered: dict[int, torch.Tensor] = {}  # save index -> [layers, 2, chunk, heads, dim]
         self._gathered_layers: dict[int, int] = {}
+        self._admitted: dict[int, bool] = {}  # this step's save index -> fits under the saver's cap
+        self._admitted_bytes = 0
         self.gpu_save = None  # CudaSaveGather when the KV caches are on a CUDA device
         reuse_large_buffers()
 
@@ -160,6 +162,8 @@ class WorkerHalf:
         if layer is None or self.caches[layer].data_ptr() != kv_layer.data_ptr():
             return  # a layer sharing another's KV: saved through its target
         for i, spec in enumerate(meta.saves):
+            if not self._admit_save(i, len(spec.slots)):
+                continue
             if self.gpu_save is not None:
                 self.gpu_save.gather(i, layer, kv_layer, spec.slots)
             else:
@@ -168,6 +172,24 @@ class WorkerHalf:
                     buf = self._gathered[i] = self._new_chunk_buffer(len(spec.slots))
                 self.adapters[layer].gather(kv_layer, torch.tensor(spec.slots, dtype=torch.int64), out=buf[layer], check=False)
             self._gathered_layers[i] = self._gathered_layers.get(i, 0) + 1
+
+    def _admit_save(self, index: int, tokens: int) -> bool:
+        """Gather a chunk only if it fits under the saver's byte cap beside what this step already gathered.
+
+        Without this a long prefill step would gather all its chunks first and
+        only then meet the cap: memory would grow with the step, not the cap.
+        """
+        admitted = self._admitted.get(index)
+        if admitted is None:
+            a = self.adapters[0]
+            nbytes = len(self.caches) * 2 * tokens * a.num_kv_heads * a.head_size * a.dtype.itemsize
+            admitted = self.saver is not None and self.saver.has_room(self._admitted_bytes + nbytes)
+            if admitted:
+                self._admitted_bytes += nbytes
+            elif self.saver is not None:
+                self.saver.drop("before gathering", waiting=self._admitted_bytes)
+            self._admitted[index] = admitted
+        return admitted
 
     def _new_chunk_buffer(self, tokens: int) -> torch.Tensor:
         a = self.adapters[0]
@@ -192,6 +214,8 @@ class WorkerHalf:
             self.gpu_save.release()
         self._gathered.clear()
         self._gathered_layers.clear()
+        self._admitted.clear()
+        self._admitted_bytes = 0
         self._failed_reqs = set()
 
     def shutdown(self) -> None:

@@ -12,8 +12,8 @@ phase's peak is ``ru_maxrss`` afterwards, minus the baseline.
 
 * save: the prefix is prefilled in steps of ``step_tokens`` (vLLM's
   ``max_num_batched_tokens``); per step every completed chunk is gathered
-  out of paged memory into its own buffer (``save_kv_layer``), then all of
-  them are handed to the :class:`~vllm_kvcodec.saver.Saver`
+  out of paged memory into its own buffer (``save_kv_layer``) if it fits
+  under the saver's cap beside the step's others, then all of them are handed to the :class:`~vllm_kvcodec.saver.Saver`
   (``wait_for_save``), with no compute time between steps (the worst case
   for the queue), then flushed. Gathered buffers live until encoded; queued
   raw bytes are capped by ``max_pending_save_bytes``, beyond which saves are
@@ -142,10 +142,10 @@ def _save_phase(env: dict[str, Any], codec: str, threads: int, max_pending: int,
     baseline = _rss()
     t0 = time.perf_counter()
     for first in range(0, len(env["hashes"]), per_step):
-        gathered = _gather_step(env, range(first, min(first + per_step, len(env["hashes"]))))
+        gathered = _gather_step(env, range(first, min(first + per_step, len(env["hashes"]))), saver)
         for c, buf in gathered.items():  # WorkerHalf.wait_for_save: hand the step's chunks to the saver
             saver.submit(env["hashes"][c], buf)
-        del gathered, buf
+        gathered = buf = None  # nothing of the step outlives its hand-off
     saver.flush()
     seconds = time.perf_counter() - t0
     peak = _peak()
@@ -154,13 +154,17 @@ def _save_phase(env: dict[str, Any], codec: str, threads: int, max_pending: int,
             "seconds": seconds, "stats": stats.totals()}
 
 
-def _gather_step(env: dict[str, Any], chunks: range) -> dict[int, Any]:
-    """WorkerHalf.save_kv_layer over one step: every chunk the step completed, out of paged memory."""
+def _gather_step(env: dict[str, Any], chunks: range, saver: Any) -> dict[int, Any]:
+    """WorkerHalf.save_kv_layer over one step: each chunk the step completed that fits under the saver's cap."""
     import torch
 
     caches, adapter = env["caches"], env["adapter"]
-    out = {}
+    out: dict[int, Any] = {}
+    nbytes = len(caches) * 2 * CHUNK_TOKENS * adapter.num_kv_heads * adapter.head_size * adapter.dtype.itemsize
     for c in chunks:
+        if not saver.has_room((len(out) + 1) * nbytes):  # WorkerHalf._admit_save
+            saver.drop("before gathering", waiting=len(out) * nbytes)
+            continue
         buf = torch.empty((len(caches), 2, CHUNK_TOKENS, adapter.num_kv_heads, adapter.head_size), dtype=adapter.dtype)
         for layer, cache in enumerate(caches):
             adapter.gather(cache, _chunk_slots(env, c), out=buf[layer], check=False)
