@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,9 +21,11 @@ from storage import Store
 from vllm_kvcodec.format import decode_chunk, read_header
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.load_job import LoadJob
-from vllm_kvcodec.metadata import ChunkLoad, LoadSpec
 from vllm_kvcodec.paged import PagedKVAdapter
-from vllm_kvcodec.stats import ConnectorStats
+
+if TYPE_CHECKING:  # both import vLLM; the fetcher itself must not (the GPU check runs without it)
+    from vllm_kvcodec.metadata import ChunkLoad, LoadSpec
+    from vllm_kvcodec.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")
 
@@ -54,7 +57,7 @@ class Fetcher:
 
     def submit(self, specs: list[LoadSpec], timeout_s: float) -> LoadJob:
         chunks = [(spec, chunk) for spec in specs for chunk in spec.chunks]
-        job = LoadJob([list(g) for g in self.groups], len(chunks), [s.req_id for s in specs])
+        job = self._new_job([list(g) for g in self.groups], len(chunks), [s.req_id for s in specs])
         job.deadline = time.monotonic() + timeout_s
         for g in range(len(self.groups)):
             for i, (spec, chunk) in enumerate(chunks):
@@ -63,6 +66,9 @@ class Fetcher:
             for i, (_, chunk) in enumerate(chunks):
                 self._pool.submit(self._load_object, job, g, i, chunk)
         return job
+
+    def _new_job(self, group_layers: list[list[int]], objects_per_group: int, req_ids: list[str]) -> LoadJob:
+        return LoadJob(group_layers, objects_per_group, req_ids)
 
     def _load_object(self, job: LoadJob, group: int, index: int, chunk: ChunkLoad) -> None:
         ok = False

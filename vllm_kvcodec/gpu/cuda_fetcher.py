@@ -30,11 +30,9 @@ after vLLM starts recomputing those blocks.
 
 from __future__ import annotations
 
-import logging
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -49,25 +47,16 @@ from vllm_kvcodec.gpu.scatter_triton import PackedPages, check_slots
 from vllm_kvcodec.gpu.side_stream import SideStream
 from vllm_kvcodec.gpu.staging import StagingPool, align8, host_slots
 from vllm_kvcodec.keys import ObjectAddresses
+from vllm_kvcodec.fetcher import Fetcher, LoadError
 from vllm_kvcodec.load_job import LoadJob
 from vllm_kvcodec.paged import PackedKVAdapter, PagedKVAdapter
 
 if TYPE_CHECKING:  # both import vLLM, which the GPU check machine does not have
     from vllm_kvcodec.gpu.cuda_save import CudaSaveGather
-    from vllm_kvcodec.metadata import ChunkLoad, LoadSpec
+    from vllm_kvcodec.metadata import ChunkLoad
     from vllm_kvcodec.stats import ConnectorStats
 
-logger = logging.getLogger("vllm_kvcodec")
-
 FLAG_BYTES = 8  # two int32 device validation flags of a SplitZip decode
-
-
-class LoadError(Exception):
-    """A stored object could not be used; its blocks are recomputed (as ``fetcher.LoadError``)."""
-
-
-def _one_torch_thread() -> None:
-    torch.set_num_threads(1)  # parallelism comes from the fetch threads (as in fetcher.py)
 
 
 class CudaLoadJob(LoadJob):
@@ -106,8 +95,12 @@ class CudaLoadJob(LoadJob):
             self.side.compute_waits(event)
 
 
-class CudaFetcher:
-    """Loads stored objects into paged KV on a CUDA device (or, for tests, a CPU in Triton's interpreter)."""
+class CudaFetcher(Fetcher):
+    """Loads stored objects into paged KV on a CUDA device (or, for tests, a CPU in Triton's interpreter).
+
+    The thread pool, job bookkeeping and failure handling are the CPU
+    fetcher's; only how one object reaches paged memory differs.
+    """
 
     def __init__(
         self,
@@ -119,42 +112,17 @@ class CudaFetcher:
         stats: ConnectorStats,
         observe_transfer: Callable[[int, float], None] | None = None,
     ) -> None:
-        self.store, self.addresses, self.stats = store, addresses, stats
-        self.observe_transfer = observe_transfer
-        self.groups, self.caches, self.adapters = addresses.groups, caches, adapters
         self.device = caches[0].device
         if not can_run_on(self.device):
             raise ConfigError(f"the GPU fetcher cannot run Triton kernels on {self.device} in this process")
+        super().__init__(store, addresses, caches, adapters, threads, stats, observe_transfer)
         self.side = SideStream(self.device)
         self.pages = _packed_pages(caches, adapters)
         self.num_slots = adapters[0].num_slots(caches[0])
         self.staging = StagingPool(threads, pin=self.device.type == "cuda")
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-gpu-fetch", initializer=_one_torch_thread)
 
-    def submit(self, specs: list[LoadSpec], timeout_s: float) -> CudaLoadJob:
-        chunks = [(spec, chunk) for spec in specs for chunk in spec.chunks]
-        job = CudaLoadJob(self.side, [list(g) for g in self.groups], len(chunks), [s.req_id for s in specs])
-        job.deadline = time.monotonic() + timeout_s
-        for g in range(len(self.groups)):
-            for i, (spec, chunk) in enumerate(chunks):
-                job.expect(g, i, spec.req_id, chunk.block_ids)
-        for g in range(len(self.groups)):
-            for i, (_, chunk) in enumerate(chunks):
-                self._pool.submit(self._load_object, job, g, i, chunk)
-        return job
-
-    def _load_object(self, job: CudaLoadJob, group: int, index: int, chunk: ChunkLoad) -> None:
-        ok = False
-        try:
-            if not job.cancelled:
-                self._fetch_decode_scatter(job, group, chunk)
-                ok = True
-        except Exception as exc:  # noqa: BLE001 - any failure means "recompute these blocks"
-            self.stats.add(load_failures=1)
-            logger.warning("kvcodec: GPU load of chunk %s group %d failed, recomputing: %s",
-                           chunk.chunk_hash[:12], group, exc)
-        finally:
-            job.object_done(group, index, ok)
+    def _new_job(self, group_layers: list[list[int]], objects_per_group: int, req_ids: list[str]) -> CudaLoadJob:
+        return CudaLoadJob(self.side, group_layers, objects_per_group, req_ids)
 
     def _fetch_decode_scatter(self, job: CudaLoadJob, group: int, chunk: ChunkLoad) -> None:
         key = self.addresses.key(chunk.chunk_hash, group)
@@ -242,8 +210,6 @@ class CudaFetcher:
 
         return CudaSaveGather(self.caches, self.adapters, self.side, self.pages, saver)
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _on_device(header: ChunkHeader) -> bool:
