@@ -1,4 +1,4 @@
-"""The commands users run first: `make demo`'s `kvcodec demo` and the codec benchmark."""
+"""The commands users run first: `make demo`'s `kvcodec demo`, the benchmarks, and the store tools."""
 
 from __future__ import annotations
 
@@ -28,6 +28,38 @@ def test_bench_codecs_writes_json(tmp_path) -> None:
     by_name = {r["name"]: r for r in result["results"]}
     assert all(r["bit_exact"] for r in result["results"])
     assert by_name["rans"]["ratio"] > by_name["splitzip"]["ratio"] > 1.3
+
+
+@pytest.mark.redis
+def test_bench_stores_measures_file_and_a_temporary_redis(tmp_path) -> None:
+    out = tmp_path / "stores.json"
+    done = kvcodec("bench", "stores", "--output", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert {r["store"] for r in rows} == {"file", "redis"}
+    assert all(r["put_MBps"] > 0 and r["get_MBps"] > 0 for r in rows)
+
+
+def test_bench_faults_counts_no_wrong_load(tmp_path) -> None:
+    out = tmp_path / "faults.json"
+    done = kvcodec("bench", "faults", "--faulty-loads", "20", "--output", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["faulty_loads"] >= 20 and result["wrong"] == 0
+    assert result["exact"] + result["failed"] == result["loads"]
+
+
+@pytest.mark.engine
+def test_bench_ttft_compares_a_load_with_recompute(tmp_path) -> None:
+    out = tmp_path / "ttft.json"
+    args = ["--prefix-tokens", "512", "--suffix-tokens", "16", "--codec", "rans", "--gbps", "10", "--repeats", "1"]
+    done = kvcodec("bench", "ttft", *args, "--output", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (row,) = result["results"]
+    assert row["codec"] == "rans" and row["full_hit"] and row["loaded_tokens"] == row["expected_tokens"] > 0
+    assert row["load_failures"] == 0 and row["ratio"] > 1.4
+    assert result["baseline"]["recompute_s"] > 0
 
 
 def test_unknown_command_fails_cleanly() -> None:
