@@ -537,13 +537,7 @@ def sec_gpu_fetcher(d: dict) -> None:
             saver = _CollectingSaver()
             save = fetcher.save_gather(saver)
             loaded = [c for spec in sc.specs for c in spec.chunks if c.first_token == 0]
-            for layer in range(len(caches)):
-                for i, c in enumerate(loaded):
-                    save.gather(i, layer, caches[layer], c.slots)
-            for i, c in enumerate(loaded):
-                save.submit(i, c.chunk_hash)
-            save.release()
-            save.flush()
+            lc.save_chunks(save, caches, loaded)
             save.shutdown()
             row["save_gather_bit_exact"] = len(saver.got) == len(loaded) and all(
                 torch.equal(lc.bits(saver.got[c.chunk_hash]),

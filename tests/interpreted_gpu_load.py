@@ -266,13 +266,7 @@ def test_save_gather_hands_the_saver_what_the_cpu_gather_would(real_kv_1k) -> No
     fetcher = CudaFetcher(sc.store, sc.addresses, caches, _adapters(sc), 1, ConnectorStats())
     gather = fetcher.save_gather(saver)
     chunks = [c for spec in sc.specs for c in spec.chunks]
-    for layer in range(len(caches)):  # as save_kv_layer is called, layer by layer
-        for i, chunk in enumerate(chunks):
-            gather.gather(i, layer, caches[layer], chunk.slots)
-    for i, chunk in enumerate(chunks):
-        gather.submit(i, chunk.chunk_hash)
-    gather.release()
-    gather.flush()
+    lc.save_chunks(gather, caches, chunks)
     assert saver.flush(60)
     for chunk in chunks:
         c = sc.index[chunk.chunk_hash]

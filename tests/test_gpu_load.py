@@ -230,13 +230,7 @@ def test_cuda_save_gather_reaches_the_store_bit_exact(real_kv_1k) -> None:
         job.settle()
         gather = fetcher.save_gather(saver)
         chunks = [c for spec in sc.specs for c in spec.chunks]
-        for layer in range(len(caches)):
-            for i, chunk in enumerate(chunks):
-                gather.gather(i, layer, caches[layer], chunk.slots)
-        for i, chunk in enumerate(chunks):
-            gather.submit(i, chunk.chunk_hash)
-        gather.release()
-        gather.flush()
+        lc.save_chunks(gather, caches, chunks)
         gather.shutdown()
         assert saver.flush(60)
         for chunk in chunks:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import torch
 
@@ -176,3 +177,14 @@ def swap_escape_positions(blob: bytes, key: str) -> bytes:
     at = 20 + (n + 1) // 2 + n
     payload[at : at + 4], payload[at + 4 : at + 8] = payload[at + 4 : at + 8], payload[at : at + 4]
     return build_chunk(bytes(payload), head.dtype, head.shape, head.codec_config, key=key)
+
+
+def save_chunks(save: Any, caches: list[torch.Tensor], chunks: list[Any]) -> None:
+    """Drive a save gather as the worker does: every layer as ``save_kv_layer`` sees it, then one hand-off per chunk."""
+    for layer in range(len(caches)):
+        for i, chunk in enumerate(chunks):
+            save.gather(i, layer, caches[layer], chunk.slots)
+    for i, chunk in enumerate(chunks):
+        save.submit(i, chunk.chunk_hash)
+    save.release()
+    save.flush()
