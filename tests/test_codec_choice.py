@@ -17,7 +17,10 @@ def test_auto_follows_the_link(real_chunks) -> None:
     slow = chooser.codec_for(sample)
     assert slow.codec_id == max(chooser.profile, key=lambda c: chooser.profile[c]["ratio"])
     feed(chooser, 10_000)
-    assert chooser.codec_for(sample).codec_id == "raw"
+    # On a link this fast only decode speed counts: the fastest measured decoder wins (raw, unless
+    # the machine was busy while raw's 3 timed decodes ran; comparing with a fixed name is a flaky timing test).
+    fastest = max(chooser.profile, key=lambda c: chooser.profile[c]["decode_Bps"])
+    assert chooser.codec_for(sample).codec_id == fastest
     assert abs(chooser.bandwidth_bytes_per_s * 8 / 1e9 - 10_000) / 10_000 < 0.01
 
 
