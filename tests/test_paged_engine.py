@@ -10,9 +10,14 @@ the attention layers hand a connector. The test then checks, on a real
    ``attn_metadata.slot_mapping`` that ``save_kv_layer`` sees;
 2. for all 30 layers, ``adapter.gather`` returns bit-exactly the K and V that
    vLLM passed to its cache-write op (recorded by wrapping the op);
-3. against transformers' KV for the same token ids (``real_kv``): layer 0 V is
-   bit-exact and layer 0 K within RoPE round-off; deeper layers drift only by
-   the two engines' different kernels (reported, loosely bounded);
+3. against transformers' KV for the same token ids (``real_kv``), with a stated
+   tolerance, since two frameworks' GEMM kernels need not round alike (on Intel
+   CPUs with AMX vLLM's projections round differently from torch's): layer 0 V
+   and K of position 0 within 2 bf16 ulps and at least 99.9% bit-identical
+   (bit-exact on AMD EPYC without AMX), layer 0 K within RoPE round-off;
+   deeper layers drift only by the two engines' different kernels (reported,
+   loosely bounded). Steps 1, 2 and 4 are this project's own paths and stay
+   exact;
 4. loading: a second request gets its first 256 tokens *scattered* by the
    connector from the canonical KV of the first run, and vLLM's attention
    reads them correctly (same greedy tokens); scattering through the other
@@ -136,6 +141,24 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 units in the last place, elementwise (0 = same bits; +0 and -0 are 0 apart)."""
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)  # sign-magnitude -> a monotone integer line
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+#: Two frameworks' kernels (vLLM's CPU GEMMs, AMX or not, against torch's in transformers) may
+#: round a projection differently: allowed at most this many bf16 ulps on any element ...
+CROSS_FRAMEWORK_ULPS = 2
+#: ... and at least this share of elements with identical bits (AMD EPYC without AMX: 1.0;
+#: Intel Xeon with AMX, measured: 0.99998, max |diff| 5.96e-08).
+CROSS_FRAMEWORK_EXACT = 0.999
+
+
 @pytest.fixture(scope="module")
 def engine():
     env = {
@@ -250,7 +273,10 @@ def test_paged_kv_of_a_real_engine(engine, monkeypatch):
     for row in report:
         print("%5d  %11.4g  %11.4f  %11.4g  %11.4f  %9.2e  %9.2e" % row)
     l0 = report[0]
-    assert l0[4] == 1.0, "layer 0 V must be bit-exact against transformers"
+    v_ulps = bf16_ulps(gathered[names[0]][1], ref[0, 1])
+    print(f"layer 0 V: {l0[4]:.6f} bit-identical, max {int(v_ulps.max())} bf16 ulps apart")
+    assert l0[4] >= CROSS_FRAMEWORK_EXACT and int(v_ulps.max()) <= CROSS_FRAMEWORK_ULPS, (
+        "layer 0 V must agree with transformers within the stated cross-framework tolerance")
     # layer 0 K: the projections agree bit-exactly (V does), so K differs only by RoPE
     # round-off: position 0 (cos=1, sin=0) is exact, and every element is within
     # 2^-6 of the magnitude of the (d, d + head/2) pair RoPE mixes into it (measured
@@ -259,7 +285,8 @@ def test_paged_kv_of_a_real_engine(engine, monkeypatch):
     pair = rk0.abs() + torch.cat((rk0[..., 32:], rk0[..., :32]), -1).abs()
     rope_ratio = float(((k0 - rk0).abs() / pair.clamp_min(1e-30)).max())
     print(f"layer 0 K: max |diff| / (|k_d| + |k_pair|) = {rope_ratio:.4g} (2^-7 = {2**-7:.4g})")
-    assert same_bits(gathered[names[0]][0, 0], ref[0, 0, 0]), "K of position 0 must be bit-exact"
+    k0_ulps = int(bf16_ulps(gathered[names[0]][0, 0], ref[0, 0, 0]).max())
+    assert k0_ulps <= CROSS_FRAMEWORK_ULPS, f"K of position 0 (no rotation) is {k0_ulps} ulps from transformers'"
     assert rope_ratio <= 2**-6 and l0[2] > 0.5
     # deeper layers see hidden states computed by different kernels: close, not equal
     assert max(r[5] for r in report) < 0.05 and max(r[6] for r in report) < 0.05
