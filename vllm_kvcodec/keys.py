@@ -55,17 +55,36 @@ def chunk_hashes(
     namespace: Namespace, token_ids: Sequence[int], num_chunks: int, identity: PromptIdentity = PLAIN
 ) -> list[str]:
     """Hex keys of the first ``num_chunks`` full chunks of ``token_ids`` in the request's context."""
+    return extend_chunk_hashes(namespace, token_ids, [], num_chunks, identity)
+
+
+def extend_chunk_hashes(
+    namespace: Namespace, token_ids: Sequence[int], hashes: list[str], num_chunks: int,
+    identity: PromptIdentity = PLAIN,
+) -> list[str]:
+    """``hashes`` (the chain's first chunks) continued to ``num_chunks`` chunks of ``token_ids``.
+
+    A request's token list grows while it decodes; continuing the chain from
+    its last link costs one hash per new chunk instead of rehashing the prefix.
+    """
     size = namespace.chunk_size
     if num_chunks * size > len(token_ids):
         raise ValueError(f"{num_chunks} chunks of {size} need {num_chunks * size} tokens, got {len(token_ids)}")
-    tokens = np.asarray(token_ids[: num_chunks * size], dtype="<i8")
-    prev = bytes.fromhex(namespace.digest)
-    if seed := identity.seed():
-        prev = xxhash.xxh3_128_digest(prev + seed)
-    out = []
-    for c in range(num_chunks):
+    out = list(hashes[:num_chunks])
+    if len(out) == num_chunks:
+        return out
+    if out:
+        prev = bytes.fromhex(out[-1])
+    else:
+        prev = bytes.fromhex(namespace.digest)
+        if seed := identity.seed():
+            prev = xxhash.xxh3_128_digest(prev + seed)
+    start = len(out)
+    tokens = np.asarray(token_ids[start * size : num_chunks * size], dtype="<i8")
+    for c in range(start, num_chunks):
         media = identity.media_in(c * size, (c + 1) * size)
-        prev = xxhash.xxh3_128_digest(prev + tokens[c * size : (c + 1) * size].tobytes() + media)
+        part = tokens[(c - start) * size : (c - start + 1) * size]
+        prev = xxhash.xxh3_128_digest(prev + part.tobytes() + media)
         out.append(prev.hex())
     return out
 
