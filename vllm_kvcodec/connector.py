@@ -26,7 +26,7 @@ from vllm_kvcodec.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.identity import compute_identity, model_identity
 from vllm_kvcodec.keys import Namespace
-from vllm_kvcodec.metadata import KVCodecMetadata
+from vllm_kvcodec.metadata import KVCodecMetadata, KVCodecWorkerReport
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE
 from vllm_kvcodec.scheduler import SchedulerHalf
 from vllm_kvcodec.stats import KVCodecTransferStats, summarize
@@ -35,7 +35,9 @@ from vllm_kvcodec.worker import WorkerHalf
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
@@ -62,8 +64,7 @@ class KVCodecConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            # vLLM reads the policy right after creating this connector.
-            transfer.kv_load_failure_policy = self.config.on_load_failure
+            apply_load_failure_policy(transfer, self.config)  # vLLM reads it right after creating this connector
             self.scheduler = SchedulerHalf(self.config, namespace, len(groups), namespace.tp_size, block_size)
         else:
             self.worker = WorkerHalf(vllm_config, self.config, namespace, groups, _tp_rank())
@@ -92,6 +93,9 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVCodecWorkerReport | None:
+        return self._w.build_connector_worker_meta()
 
     def get_kv_connector_stats(self) -> KVCodecTransferStats | None:
         half = self.worker or self.scheduler  # vLLM asks both sides
@@ -127,7 +131,26 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._s.request_finished(request)
-        return False, None
+        return False, None  # saves copy their chunks out of paged memory within the step: nothing holds blocks
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._s.bind_kv_cache_manager(kv_cache_manager)  # to evict blocks whose load failed
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self._s.update_connector_output(connector_output)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache, not a producer handing KV to a consumer: a save that does not happen is a future miss."""
+        return False
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """vLLM >= 0.33 sleep mode drops and remaps the KV caches; the worker keeps per-layer adapters,
+        GPU pointer tables and loads in flight into those tensors, and has not been verified across a
+        remap, so it says no rather than write into memory that moved."""
+        return False
 
     # ---- both -----------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -181,6 +204,27 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig) -> Names
         salt=config.salt,
         compute="" if config.share_across_platforms else compute_identity(vllm_config),
     )
+
+
+def apply_load_failure_policy(transfer: "KVTransferConfig", config: ConnectorConfig) -> None:
+    """Choose vLLM's ``kv_load_failure_policy``: the user's word where it can be told, else ``recompute``.
+
+    For a cache, a load that fails is a miss to recompute; vLLM's default,
+    ``fail``, would fail the request instead. vLLM's config object cannot tell
+    an explicit ``fail`` from that default, so ``on_load_failure`` in
+    ``kv_connector_extra_config`` is the explicit way to ask for it; an
+    explicit ``recompute`` (not vLLM's default) is kept as set.
+    """
+    wanted = config.on_load_failure
+    current = transfer.kv_load_failure_policy
+    if wanted is None:
+        wanted = "recompute"
+    elif current == "recompute" and wanted == "fail":
+        raise ConfigError("kv_load_failure_policy 'recompute' and on_load_failure 'fail' disagree; set one of them")
+    if current != wanted:
+        logger.info("kvcodec: kv_load_failure_policy %r (was %r): a failed load is %s", wanted, current,
+                    "recomputed" if wanted == "recompute" else "an error of its request")
+        transfer.kv_load_failure_policy = wanted
 
 
 def _tp_rank() -> int:

@@ -61,7 +61,7 @@ class Fetcher:
         job.deadline = time.monotonic() + timeout_s
         for g in range(len(self.groups)):
             for i, (spec, chunk) in enumerate(chunks):
-                job.expect(g, i, spec.req_id, chunk.block_ids)
+                job.expect(g, i, spec.req_id, chunk.chunk_hash, chunk.block_ids)
         for g in range(len(self.groups)):
             for i, (_, chunk) in enumerate(chunks):
                 self._pool.submit(self._load_object, job, g, i, chunk)

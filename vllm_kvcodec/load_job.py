@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 import time
 
+from vllm_kvcodec.outcomes import LoadOutcome
+
 
 class LoadJob:
     def __init__(self, group_layers: list[list[int]], objects_per_group: int, req_ids: list[str]) -> None:
@@ -21,18 +23,28 @@ class LoadJob:
         self.layer_ready = {layer: threading.Event() for layers in group_layers for layer in layers}
         self.done = threading.Event()
         self.failed_blocks: set[int] = set()
-        self.failed_reqs: set[str] = set()
         self.deadline = float("inf")
-        self._pending_blocks: dict[tuple[int, int], tuple[str, list[int]]] = {}
+        self._pending: dict[tuple[int, int], tuple[str, str, list[int]]] = {}
+        self._chunks: dict[str, dict[str, bool]] = {req_id: {} for req_id in req_ids}  # req -> chunk -> all ok so far
         self._cond = threading.Condition()
         self._writers = 0
         self.cancelled = False
-        self.started = time.monotonic()
         if objects_per_group == 0:
             self._finish_all()
 
-    def expect(self, group: int, obj: int, req_id: str, block_ids: list[int]) -> None:
-        self._pending_blocks[(group, obj)] = (req_id, block_ids)
+    def expect(self, group: int, obj: int, req_id: str, chunk_hash: str, block_ids: list[int]) -> None:
+        self._pending[(group, obj)] = (req_id, chunk_hash, block_ids)
+        self._chunks.setdefault(req_id, {}).setdefault(chunk_hash, True)
+
+    @property
+    def failed_reqs(self) -> set[str]:
+        return {req_id for req_id, chunks in self._chunks.items() if not all(chunks.values())}
+
+    def outcomes(self) -> dict[str, LoadOutcome]:
+        """Per request: the chunks now in place in every layer group, and the chunks that failed in any."""
+        with self._cond:
+            return {req_id: LoadOutcome([h for h, ok in chunks.items() if ok], [h for h, ok in chunks.items() if not ok])
+                    for req_id, chunks in self._chunks.items()}
 
     def begin_write(self) -> bool:
         with self._cond:
@@ -48,9 +60,9 @@ class LoadJob:
 
     def object_done(self, group: int, obj: int, ok: bool) -> None:
         with self._cond:
-            req_id, blocks = self._pending_blocks.pop((group, obj), ("", []))
+            req_id, chunk_hash, blocks = self._pending.pop((group, obj), ("", "", []))
             if not ok:
-                self._fail(req_id, blocks)
+                self._fail(req_id, chunk_hash, blocks)
             self._remaining[group] -= 1
             if self._remaining[group] == 0:
                 for layer in self.group_layers[group]:
@@ -64,14 +76,14 @@ class LoadJob:
             self.cancelled = True
             while self._writers:
                 self._cond.wait()
-            for req_id, blocks in self._pending_blocks.values():
-                self._fail(req_id, blocks)
-            self._pending_blocks.clear()
+            for req_id, chunk_hash, blocks in self._pending.values():
+                self._fail(req_id, chunk_hash, blocks)
+            self._pending.clear()
         self._finish_all()
 
-    def _fail(self, req_id: str, blocks: list[int]) -> None:
+    def _fail(self, req_id: str, chunk_hash: str, blocks: list[int]) -> None:
         self.failed_blocks.update(blocks)
-        self.failed_reqs.add(req_id)
+        self._chunks.setdefault(req_id, {})[chunk_hash] = False
 
     def _finish_all(self) -> None:
         for event in self.layer_ready.values():

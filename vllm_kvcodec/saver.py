@@ -5,6 +5,8 @@ so the engine never waits on encoding or the network. Queued raw bytes are
 capped; past the cap new chunks are dropped and counted (a dropped save is a
 future cache miss, never an error). While the store is known to be down, new
 chunks are dropped (counted, one warning per outage) before any encoding work.
+Every chunk's outcome (stored, or not) goes to ``report``, which the worker half
+passes on to the scheduler half: a save that did not land is planned again.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from storage import Store
 from vllm_kvcodec.codec_choice import CodecChooser
 from vllm_kvcodec.format import encode_chunk
 from vllm_kvcodec.keys import ObjectAddresses
+from vllm_kvcodec.outcomes import SaveOutcome
 from vllm_kvcodec.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")
@@ -37,10 +40,11 @@ class Saver:
         max_pending_bytes: int,
         stats: ConnectorStats,
         store_down: Callable[[], bool] = lambda: False,
+        report: Callable[[SaveOutcome], None] = lambda outcome: None,
     ) -> None:
         self.store, self.addresses, self.groups = store, addresses, addresses.groups
         self.chooser, self.stats, self.max_pending = chooser, stats, max_pending_bytes
-        self.store_down = store_down
+        self.store_down, self.report = store_down, report
         self._dropping_for_outage = False
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-save")
         self._lock = threading.Lock()
@@ -49,17 +53,19 @@ class Saver:
         self._last_drop_log = -DROP_LOG_INTERVAL_S
         self._drops_unlogged = 0
 
-    def submit(self, chunk_hash: str, kv: torch.Tensor) -> bool:
+    def submit(self, chunk_hash: str, kv: torch.Tensor, req_id: str = "") -> bool:
         """Queue ``kv`` ``[layers, 2, chunk, heads, dim]`` for encoding and storing."""
         nbytes = kv.numel() * kv.element_size()
         if self._store_is_down():
+            self.report(SaveOutcome(req_id, chunk_hash, landed=False))
             return False
         with self._lock:
             if self._pending + nbytes > self.max_pending:
                 self.drop("at submit")
+                self.report(SaveOutcome(req_id, chunk_hash, landed=False))
                 return False
             self._pending += nbytes
-            future = self._pool.submit(self._encode_put, chunk_hash, kv, nbytes)
+            future = self._pool.submit(self._encode_put, chunk_hash, kv, nbytes, req_id)
             self._futures.add(future)
         future.add_done_callback(self._forget)
         return True
@@ -93,7 +99,8 @@ class Saver:
         with self._lock:
             self._futures.discard(future)
 
-    def _encode_put(self, chunk_hash: str, kv: torch.Tensor, nbytes: int) -> None:
+    def _encode_put(self, chunk_hash: str, kv: torch.Tensor, nbytes: int, req_id: str) -> None:
+        landed = False
         try:
             t0 = time.perf_counter()
             codec = self.chooser.codec_for(kv[: len(self.groups[0])])
@@ -110,12 +117,14 @@ class Saver:
             self.stats.add(saved_chunks=1, saved_objects=len(items), saved_tokens=kv.shape[2],
                            saved_bytes=stored, saved_raw_bytes=nbytes, encode_s=t1 - t0, put_s=t2 - t1,
                            **{f"codec_{codec.codec_id}_saves": 1})
+            landed = True
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an engine error
             self.stats.add(save_failures=1)
             logger.warning("kvcodec: saving chunk %s failed: %s", chunk_hash[:12], exc)
         finally:
             with self._lock:
                 self._pending -= nbytes
+            self.report(SaveOutcome(req_id, chunk_hash, landed))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued saves (tests, benchmarks, shutdown); True if all finished."""

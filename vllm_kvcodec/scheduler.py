@@ -1,11 +1,24 @@
-"""Scheduler half: lookup of stored prefixes and load/save planning.
+"""Scheduler half: lookup of stored prefixes, load and save planning, and what their outcomes teach.
 
 Runs in vLLM's scheduler process; never touches KV memory. It finds the
-longest stored prefix in whole chunks (one batched existence check per new
-request, cached), tells vLLM how many tokens beyond its local prefix cache it
-can load, and turns block allocations into slot mappings for the worker half:
-loads of stored chunks, and saves of chunks that become complete in a step,
-including chunks completed across several steps of a chunked prefill.
+longest stored prefix in whole chunks (one batched existence check per
+request, repeated only after a preemption or a failed load), tells vLLM how
+many tokens beyond its local prefix cache it can load, and turns block
+allocations into slot mappings for the worker half: loads of stored chunks,
+and saves of every chunk that becomes full, prompt or output, including
+chunks completed across several steps of a chunked prefill.
+
+The worker's reports (:class:`~.metadata.KVCodecWorkerReport`) close the loop:
+
+- a failed load marks its chunks failed (:mod:`~.load_ledger`), so no lookup
+  offers them again until they are replaced, and *evicts* the request's
+  blocks from the failed one on from vLLM's prefix cache: under vLLM's
+  ``recompute`` policy those blocks keep their prefix hashes, and a request
+  aborted before its recompute would otherwise leave KV that was never
+  written to be served as a local hit;
+- a save that did not land releases its de-duplication claim and is planned
+  again while its request still holds the blocks (a bounded number of times);
+  a request that recomputes a failed chunk saves it, replacing the object.
 """
 
 from __future__ import annotations
@@ -13,42 +26,49 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from storage import StoreError
 from storage.outage import StoreDownError
 from vllm_kvcodec.config import ConnectorConfig
-from vllm_kvcodec.identity import PLAIN, prompt_identity
-from vllm_kvcodec.keys import Namespace, chunk_hashes, object_key
-from vllm_kvcodec.metadata import ChunkLoad, KVCodecMetadata, LoadSpec, SaveSpec
+from vllm_kvcodec.identity import PromptIdentity, prompt_identity
+from vllm_kvcodec.keys import Namespace, extend_chunk_hashes, object_key
+from vllm_kvcodec.load_ledger import LoadLedger
+from vllm_kvcodec.metadata import ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec, SaveOutcome, SaveSpec
+from vllm_kvcodec.paged.slots import slots_for_tokens
+from vllm_kvcodec.save_claims import SaveClaims
 from vllm_kvcodec.stats import ConnectorStats
 from vllm_kvcodec.store_access import open_connector_store
 
 if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm_kvcodec")
-RECENT_SAVES = 1 << 16  # chunk hashes remembered for de-duplicating saves (about 2 MB)
-# How long a handed-out save suppresses saving the same chunk again. It only has to cover the
-# time a save takes to land (later lookups then hit and plan no save); a save that never landed
-# (dropped in an outage, evicted) must not keep its chunk out of the store for longer.
-RECENT_SAVE_S = 60.0
+#: Saves of one chunk one request may plan (the first, and retries after it did not land).
+MAX_SAVE_ATTEMPTS = 3
+#: Slack beyond the load timeout before a load that never reported stops holding other requests back.
+INFLIGHT_SLACK_S = 10.0
 
 
 @dataclasses.dataclass
 class _Tracked:
     """What the scheduler half remembers about one request."""
 
-    token_ids: list[int]
-    hashes: list[str]  # keys of the prompt's full chunks (all of them, saved or not)
-    hit_chunks: int  # chunks found in the store at lookup
+    request: "Request"
+    identity: PromptIdentity | None  # None: never cached (prompt embeddings)
+    hashes: list[str] = dataclasses.field(default_factory=list)  # chain over the full chunks so far
+    hit_chunks: int = 0  # chunks found in the store at the last lookup
+    looked_up: bool = False  # False: the next lookup asks the store (new, preempted, or after a failure)
     local_tokens: int = 0  # tokens vLLM had in its own prefix cache at lookup
     block_ids: list[int] = dataclasses.field(default_factory=list)
     next_save: int = 0  # first chunk not yet handed to the worker for saving
     computed: int = 0  # tokens computed before the current step
+    save_attempts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    failures_seen: int = 0  # failed loads of this request reported so far (echoed in SaveSpec)
+    deferred: set[int] = dataclasses.field(default_factory=set)  # chunks not planned while the store was down
 
 
 class SchedulerHalf:
@@ -61,40 +81,53 @@ class SchedulerHalf:
         self.chunk = config.chunk_size
         self.store = open_connector_store(config)
         self.stats = ConnectorStats()
+        self.ledger = LoadLedger(inflight_ttl_s=config.load_timeout_s + INFLIGHT_SLACK_S)
+        self.claims = SaveClaims()
+        self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: list[LoadSpec] = []
-        # Chunks recently handed to the worker for saving: a burst of requests sharing a new
-        # prefix looks it up before the first save lands, and must not encode and put it again.
-        self._recently_saved: collections.OrderedDict[str, float] = collections.OrderedDict()
 
     # ---- lookup ---------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         tracked = self._track(request)
         tracked.local_tokens = num_computed_tokens
-        hit_tokens = tracked.hit_chunks * self.chunk
-        n = max(0, hit_tokens - num_computed_tokens)
+        if tracked.identity is None:
+            return 0, False
+        # Only whole chunks, and never the last token: vLLM must compute it to sample the next.
+        loadable = self._hashes(tracked, max(0, request.num_tokens - 1) // self.chunk)
+        if not tracked.looked_up:
+            hit = self._longest_stored_prefix(loadable) if self.config.load else 0
+            tracked.hit_chunks, tracked.looked_up = hit, True
+            tracked.next_save = min(tracked.next_save, hit) if tracked.computed else hit
+            self.stats.add(lookups=1, lookup_chunks=len(loadable), hit_chunks=hit)
+        hit = min(tracked.hit_chunks, self.ledger.first_failed(loadable))
+        reads = max(hit, -(-num_computed_tokens // self.chunk))  # chunks of its local hit and of its load
+        if self.ledger.busy(tracked.hashes[:reads]):
+            self.stats.add(lookups_waiting_for_inflight_load=1)
+            return None, False  # ask again next step, when that load has an outcome
+        n = max(0, hit * self.chunk - num_computed_tokens)
         return n, bool(n) and self.config.load_mode == "async"
 
     def _track(self, request: "Request") -> _Tracked:
         tracked = self._requests.get(request.request_id)
         if tracked is None:
-            tokens = list(request.prompt_token_ids or [])
             identity = prompt_identity(request)
-            # Only whole chunks, and never the whole prompt: the last token is always computed.
-            full = max(0, (len(tokens) - 1) // self.chunk) if identity is not None else 0
             if identity is None:
                 self.stats.add(uncacheable_requests=1)
-            hashes = chunk_hashes(self.namespace, tokens, full, identity or PLAIN)
-            hit = self._longest_stored_prefix(hashes) if self.config.load else 0
-            tracked = _Tracked(tokens, hashes, hit, next_save=hit)
-            self._requests[request.request_id] = tracked
-            self.stats.add(lookups=1, lookup_chunks=len(hashes), hit_chunks=hit)
+            tracked = self._requests[request.request_id] = _Tracked(request, identity)
         return tracked
+
+    def _hashes(self, tracked: _Tracked, num_chunks: int) -> list[str]:
+        """The request's first ``num_chunks`` chunk keys, extending the chain as its tokens grow."""
+        if len(tracked.hashes) < num_chunks and tracked.identity is not None:
+            tokens = tracked.request.all_token_ids
+            tracked.hashes = extend_chunk_hashes(self.namespace, tokens, tracked.hashes, num_chunks, tracked.identity)
+        return tracked.hashes[:num_chunks]
 
     def _longest_stored_prefix(self, hashes: list[str]) -> int:
         if not hashes:
             return 0
-        keys = [self._keys(h) for h in hashes]
+        keys = [self._object_keys(h) for h in hashes]
         try:
             found = self.store.exists_many([k for ks in keys for k in ks])
         except StoreDownError:  # known outage, already logged once: a miss at no cost
@@ -110,10 +143,11 @@ class SchedulerHalf:
                 return c
         return len(hashes)
 
-    def _keys(self, chunk_hash: str) -> list[str]:
+    def _object_keys(self, chunk_hash: str) -> list[str]:
+        """Every object of one chunk: each tensor-parallel rank's shard of each layer group."""
         return [object_key(self.namespace, chunk_hash, r, g) for r in range(self.tp_size) for g in range(self.groups)]
 
-    # ---- planning -------------------------------------------------------------------
+    # ---- load planning --------------------------------------------------------------
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         tracked = self._requests.get(request.request_id)
         if tracked is None:
@@ -124,25 +158,28 @@ class SchedulerHalf:
         start = tracked.local_tokens
         chunks = self._chunk_loads(tracked, start, start + num_external_tokens)
         self._pending_loads.append(LoadSpec(request.request_id, chunks, is_async=self.config.load_mode == "async"))
+        first_tokens = {c.chunk_hash: start if i == 0 else (start // self.chunk + i) * self.chunk
+                        for i, c in enumerate(chunks)}
+        self.ledger.start(request.request_id, [c.chunk_hash for c in chunks], first_tokens, tracked.block_ids)
 
     def _chunk_loads(self, tracked: _Tracked, start: int, end: int) -> list[ChunkLoad]:
         loads = []
         for c in range(start // self.chunk, -(-end // self.chunk)):
             a, b = max(start, c * self.chunk), min(end, (c + 1) * self.chunk)
-            slots = self._slots(tracked.block_ids, a, b)
-            blocks = sorted({tracked.block_ids[t // self.block_size] for t in range(a, b)})
+            blocks = tracked.block_ids[a // self.block_size : -(-b // self.block_size)]
+            slots = slots_for_tokens(tracked.block_ids, self.block_size, a, b).tolist()
             loads.append(ChunkLoad(tracked.hashes[c], a - c * self.chunk, slots, blocks))
         return loads
 
-    def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_ids[t // bs] * bs + t % bs for t in range(start, end)]
-
+    # ---- per step -------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVCodecMetadata:
         meta = KVCodecMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            if (tracked := self._requests.get(req_id)) is not None:
+                tracked.looked_up = False  # its blocks are gone; the store may hold more by its resumption
+        self._update_blocks(scheduler_output)
         if self.config.save:
-            self._update_blocks(scheduler_output)
             for req_id, n in scheduler_output.num_scheduled_tokens.items():
                 meta.saves.extend(self._plan_saves(req_id, n))
         return meta
@@ -166,36 +203,95 @@ class SchedulerHalf:
             tracked.computed = cached.num_computed_tokens[i]
 
     def _plan_saves(self, req_id: str, scheduled: int) -> list[SaveSpec]:
+        """Every chunk that is full once this step has run: its tokens are known and its KV written.
+
+        While the store is known to be down nothing is planned (no gather, no
+        encode for a put that would fail): the chunks stay due, and are saved
+        once it answers if the request still holds them, or by the next
+        request that computes them.
+        """
         tracked = self._requests.get(req_id)
-        if tracked is None:
+        if tracked is None or tracked.identity is None:
             return []
-        done = tracked.computed + scheduled
-        ready = min(done // self.chunk, len(tracked.hashes))
+        full = min(tracked.computed + scheduled, tracked.request.num_tokens) // self.chunk
+        if self.store.is_down:
+            new = set(range(tracked.next_save, full)) - tracked.deferred
+            tracked.deferred |= new
+            self.stats.add(saves_deferred_store_down=len(new))
+            return []
+        hashes = self._hashes(tracked, full)
         saves = []
-        for c in range(tracked.next_save, ready):
-            if self._claim_save(tracked.hashes[c]):
-                slots = self._slots(tracked.block_ids, c * self.chunk, (c + 1) * self.chunk)
-                saves.append(SaveSpec(req_id, tracked.hashes[c], slots))
-        tracked.next_save = max(tracked.next_save, ready)
+        for c in range(tracked.next_save, full):
+            if tracked.save_attempts[c] >= MAX_SAVE_ATTEMPTS:
+                continue
+            if not self.claims.claim(hashes[c]):
+                self.stats.add(saves_deduplicated=1)
+                continue
+            tracked.save_attempts[c] += 1
+            slots = slots_for_tokens(tracked.block_ids, self.block_size, c * self.chunk, (c + 1) * self.chunk)
+            saves.append(SaveSpec(req_id, hashes[c], slots.tolist(), tracked.failures_seen))
+        tracked.next_save = max(tracked.next_save, full)
         return saves
 
-    def _claim_save(self, chunk_hash: str) -> bool:
-        now = time.monotonic()
-        claimed = self._recently_saved.get(chunk_hash)
-        if claimed is not None and now - claimed < RECENT_SAVE_S:
-            self.stats.add(saves_deduplicated=1)
-            return False
-        if self.store.is_down:  # the worker will drop this save: let the next request try again
-            self._recently_saved.pop(chunk_hash, None)
-            return True
-        self._recently_saved[chunk_hash] = now
-        self._recently_saved.move_to_end(chunk_hash)
-        if len(self._recently_saved) > RECENT_SAVES:
-            self._recently_saved.popitem(last=False)
-        return True
+    # ---- outcomes -------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        self.kv_cache_manager = kv_cache_manager
 
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        report = getattr(output, "kv_connector_worker_meta", None)
+        if not isinstance(report, KVCodecWorkerReport):
+            return
+        for req_id, outcome in report.loads.items():
+            self._load_settled(req_id, outcome)
+        for save in report.saves:
+            self._save_settled(save)
+
+    def _load_settled(self, req_id: str, outcome: LoadOutcome) -> None:
+        load = self.ledger.settle(req_id)
+        if not outcome.failed:
+            return
+        self.ledger.mark_failed(outcome.failed)
+        for h in outcome.failed:
+            self.claims.release(h)  # whoever computes it next saves it again
+        self.stats.add(failed_load_chunks=len(outcome.failed))
+        if load is not None:
+            self._evict_from(load.block_ids, min(load.first_tokens.get(h, 1 << 62) for h in outcome.failed))
+        tracked = self._requests.get(req_id)
+        if tracked is not None:
+            tracked.failures_seen += 1
+            first = min((tracked.hashes.index(h) for h in outcome.failed if h in tracked.hashes), default=0)
+            tracked.hit_chunks = min(tracked.hit_chunks, first)
+            tracked.next_save = min(tracked.next_save, first)
+
+    def _evict_from(self, block_ids: list[int], first_token: int) -> None:
+        """Take the blocks from ``first_token`` on out of vLLM's prefix cache (they keep their refcounts).
+
+        They held KV that failed to arrive, or KV computed after it: never a
+        local hit, whether the request recomputes them or ends first.
+        """
+        blocks = set(block_ids[first_token // self.block_size :])
+        if blocks and self.kv_cache_manager is not None:
+            self.kv_cache_manager.evict_blocks(blocks)
+            self.stats.add(blocks_evicted_after_load_failure=len(blocks))
+
+    def _save_settled(self, save: SaveOutcome) -> None:
+        if save.landed:
+            self.ledger.replaced(save.chunk_hash)
+            return
+        self.claims.release(save.chunk_hash)
+        tracked = self._requests.get(save.req_id)
+        if tracked is not None and save.chunk_hash in tracked.hashes:
+            # Still holding the chunk's blocks: plan the save again (bounded by MAX_SAVE_ATTEMPTS).
+            tracked.next_save = min(tracked.next_save, tracked.hashes.index(save.chunk_hash))
+
+    # ---- end ------------------------------------------------------------------------
     def request_finished(self, request: "Request") -> None:
-        self._requests.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)  # its load, if in flight, stays in the ledger
+
+    def state(self) -> dict[str, Any]:
+        """What is held between steps (tests check it is empty once the engine is)."""
+        return {"requests": list(self._requests), "pending_loads": len(self._pending_loads),
+                "inflight_loads": self.ledger.inflight_requests()}
 
     def shutdown(self) -> None:
         self.store.close()

@@ -6,6 +6,8 @@ hands the completed chunks to the background saver and returns (it never waits
 on encoding or the network). ``start_load_kv`` submits the step's loads to the
 fetcher; ``wait_for_layer_load`` waits for one layer only, with a deadline,
 after which the load is abandoned and its blocks are reported for recompute.
+What became of every load and save goes back to the scheduler half in
+``build_connector_worker_meta`` (:class:`~.metadata.KVCodecWorkerReport`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import collections
 import logging
 import os
 import re
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -29,7 +32,7 @@ from vllm_kvcodec.fetcher import Fetcher
 from vllm_kvcodec.keys import Namespace, ObjectAddresses
 from vllm_kvcodec.load_job import LoadJob
 from vllm_kvcodec.malloc_tuning import reuse_large_buffers
-from vllm_kvcodec.metadata import KVCodecMetadata
+from vllm_kvcodec.metadata import KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, SaveOutcome, SaveSpec
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, adapters_for, shared_kv_layers
 from vllm_kvcodec.saver import Saver
 from vllm_kvcodec.stats import ConnectorStats
@@ -63,9 +66,13 @@ class WorkerHalf:
         self.saver: Saver | None = None
         self._layer_of: dict[str, int] = {}
         self._sync_job: LoadJob | None = None
-        self._failed_reqs: set[str] = set()  # this step's requests whose sync load failed
         self._async_jobs: dict[str, LoadJob] = {}
         self._load_errors: set[int] = set()
+        # Failed loads per request: its saves planned before the scheduler heard of the latest are dropped.
+        self._load_failures: collections.Counter[str] = collections.Counter()
+        self._load_outcomes: dict[str, LoadOutcome] = {}
+        self._save_outcomes: list[SaveOutcome] = []
+        self._outcome_lock = threading.Lock()  # save outcomes arrive from the saver's threads
         self.recent_loads: collections.deque = collections.deque(maxlen=64)  # for inspection and tests
         self._gathered: dict[int, torch.Tensor] = {}  # save index -> [layers, 2, chunk, heads, dim]
         self._gathered_layers: dict[int, int] = {}
@@ -95,7 +102,7 @@ class WorkerHalf:
                                               self.config.fetch_threads, self.stats, self.chooser.observe_transfer)
         self.saver = Saver(self.store, addresses, self.chooser,
                            self.config.save_threads, self.config.max_pending_save_bytes, self.stats,
-                           store_down=lambda: self.store.is_down)
+                           store_down=lambda: self.store.is_down, report=self._save_settled)
         if caches[0].is_cuda:
             self.gpu_save = self.fetcher.save_gather(self.saver)
         logger.info("kvcodec: %d KV layers in %d groups, layout %s, store %s, codec %s",
@@ -125,34 +132,61 @@ class WorkerHalf:
         job.cancel()
 
     def _finish_sync_load(self) -> None:
-        job = self._sync_job
-        if job is None:
-            return
-        if not job.done.wait(max(0.0, job.deadline - time.monotonic())):
+        job, self._sync_job = self._sync_job, None
+        if job is not None:
+            job.done.wait(max(0.0, job.deadline - time.monotonic()))
+            self._settle(job)
+
+    def _settle(self, job: LoadJob) -> None:
+        """A job that is done, or past its deadline (then cancelled): collect its failed blocks and outcomes."""
+        if not job.done.is_set():
             self.stats.add(load_timeouts=1)
             job.cancel()
         job.settle()
         self._load_errors |= job.failed_blocks
-        self._failed_reqs = set(job.failed_reqs)
-        self._sync_job = None
+        for req_id, outcome in job.outcomes().items():
+            if outcome.failed:
+                self._load_failures[req_id] += 1
+            self._load_outcomes[req_id] = outcome
+
+    def _abandon(self, job: LoadJob) -> None:
+        """The request ended while its load ran: stop writing; what was not loaded did not *fail*."""
+        job.cancel()
+        job.settle()
+        for req_id, outcome in job.outcomes().items():
+            self._load_outcomes[req_id] = LoadOutcome(outcome.loaded, [])
+        self.stats.add(loads_abandoned=1)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done = set()
         for req_id, job in list(self._async_jobs.items()):
-            if not job.done.is_set() and time.monotonic() > job.deadline:
-                self.stats.add(load_timeouts=1)
-                job.cancel()
-            if job.done.is_set():
-                job.settle()
-                self._load_errors |= job.failed_blocks
-                done.add(req_id)
-                del self._async_jobs[req_id]
+            if req_id in finished_req_ids and not job.done.is_set():
+                self._abandon(job)  # vLLM holds its blocks until this load reports: free them now
+            elif job.done.is_set() or time.monotonic() > job.deadline:
+                self._settle(job)
+            else:
+                continue
+            done.add(req_id)
+            del self._async_jobs[req_id]
+        for req_id in finished_req_ids:
+            self._load_failures.pop(req_id, None)
         return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_sync_load()
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def build_connector_worker_meta(self) -> KVCodecWorkerReport | None:
+        """What became of loads and saves since the last step (None when nothing did)."""
+        with self._outcome_lock:
+            saves, self._save_outcomes = self._save_outcomes, []
+        loads, self._load_outcomes = self._load_outcomes, {}
+        return KVCodecWorkerReport(loads, saves) if loads or saves else None
+
+    def _save_settled(self, outcome: SaveOutcome) -> None:
+        with self._outcome_lock:
+            self._save_outcomes.append(outcome)
 
     # ---- save -----------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: KVCodecMetadata) -> None:
@@ -196,27 +230,33 @@ class WorkerHalf:
         return torch.empty((len(self.caches), 2, tokens, a.num_kv_heads, a.head_size), dtype=a.dtype)
 
     def wait_for_save(self, meta: KVCodecMetadata | None) -> None:
-        self._finish_sync_load()
+        self._finish_sync_load()  # a save of this step is only good if this step's loads were
         if meta is None or self.saver is None:
             return
         for i, spec in enumerate(meta.saves):
-            if spec.req_id in self._failed_reqs:
-                # Its prefix load failed, so this step computed the chunk from bad KV.
-                self.stats.add(saves_skipped_after_load_failure=1)
-            elif self._gathered_layers.get(i, 0) == len(self.caches):
+            complete = self._gathered_layers.get(i, 0) == len(self.caches)
+            if complete and self._computed_over_good_kv(spec):
                 if self.gpu_save is not None:
-                    self.gpu_save.submit(i, spec.chunk_hash)
+                    self.gpu_save.submit(i, spec.chunk_hash, spec.req_id)
                 else:
-                    self.saver.submit(spec.chunk_hash, self._gathered[i])
-            elif i in self._gathered_layers:
+                    self.saver.submit(spec.chunk_hash, self._gathered[i], spec.req_id)
+                continue
+            if i in self._gathered_layers and not complete:
                 self.stats.add(saves_incomplete=1)
+            self._save_settled(SaveOutcome(spec.req_id, spec.chunk_hash, landed=False))  # planned again
         if self.gpu_save is not None:
             self.gpu_save.release()
         self._gathered.clear()
         self._gathered_layers.clear()
         self._admitted.clear()
         self._admitted_bytes = 0
-        self._failed_reqs = set()
+
+    def _computed_over_good_kv(self, spec: SaveSpec) -> bool:
+        """False when a load of the request failed after the plan was made: the chunk may rest on missing KV."""
+        if self._load_failures.get(spec.req_id, 0) > spec.failures_seen:
+            self.stats.add(saves_skipped_after_load_failure=1)
+            return False
+        return True
 
     def shutdown(self) -> None:
         if self.gpu_save is not None:

@@ -23,6 +23,7 @@ import torch
 
 from vllm_kvcodec.gpu.scatter_triton import PackedPages, check_slots
 from vllm_kvcodec.gpu.side_stream import SideStream
+from vllm_kvcodec.outcomes import SaveOutcome
 from vllm_kvcodec.paged import PagedKVAdapter
 
 logger = logging.getLogger("vllm_kvcodec")
@@ -53,7 +54,7 @@ class CudaSaveGather:
             else:
                 a.gather(kv_layer, dev_slots, out=buf[layer], check=False)
 
-    def submit(self, index: int, chunk_hash: str) -> None:
+    def submit(self, index: int, chunk_hash: str, req_id: str = "") -> None:
         """One D2H copy of save ``index`` into pinned memory; the Saver gets it once the copy has landed."""
         buf = self._buffers.pop(index)
         self._slots.pop(index, None)
@@ -61,14 +62,15 @@ class CudaSaveGather:
             host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=self.side.cuda)
             host.copy_(buf, non_blocking=True)
             copied = self.side.record()
-        self._handoff.submit(self._hand_over, chunk_hash, host, copied)
+        self._handoff.submit(self._hand_over, chunk_hash, host, copied, req_id)
 
-    def _hand_over(self, chunk_hash: str, host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+    def _hand_over(self, chunk_hash: str, host: torch.Tensor, copied: torch.cuda.Event | None, req_id: str) -> None:
         try:
             self.side.host_wait(copied)
-            self.saver.submit(chunk_hash, host)
+            self.saver.submit(chunk_hash, host, req_id)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an engine error
             logger.warning("kvcodec: handing chunk %s to the saver failed: %s", chunk_hash[:12], exc)
+            self.saver.report(SaveOutcome(req_id, chunk_hash, landed=False))
 
     def release(self) -> None:
         """Drop unsubmitted buffers; the engine's stream waits (on the device) for every gather so far."""

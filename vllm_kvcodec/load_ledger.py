@@ -1,0 +1,106 @@
+"""What the scheduler half knows about loads beyond one request: chunks in flight and chunks that failed.
+
+Two facts outlive the request that learnt them:
+
+- **In flight.** From the step a load is planned until the worker reports its
+  outcome, the chunk's blocks hold KV that may never arrive. vLLM registers a
+  synchronous load's blocks in its prefix cache at allocation, so another
+  request could take them as a local hit in the same step; an asynchronous
+  load's blocks are not registered until it lands, so another request would
+  fetch the same chunk again. Either way the other request should wait for
+  the outcome (vLLM's OffloadingConnector answers ``None`` the same way), and
+  then hits locally, or loads or computes what failed.
+- **Failed.** A chunk whose object was missing, damaged or late must not be
+  planned again on the strength of a lookup made before the failure, or an
+  async request would be rewound and handed the same failing load forever.
+  Lookups stop before a failed chunk until a save of it lands (the next
+  request that computes it replaces the object) or ``FAILED_TTL_S`` passes
+  (another instance may have replaced it).
+
+Entries in flight also expire, so a lost report can delay requests but never
+stall them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Sequence
+
+#: A failed chunk is skipped by lookups for this long unless a save of it lands first.
+FAILED_TTL_S = 60.0
+
+
+@dataclasses.dataclass
+class InflightLoad:
+    """One request's planned load, kept until the worker reports it (even if the request ends first)."""
+
+    chunk_hashes: list[str]
+    first_tokens: dict[str, int]  # chunk hash -> first token of the request this load writes
+    block_ids: list[int]  # the request's block table when the load was planned
+    expires: float
+
+
+class LoadLedger:
+    def __init__(self, inflight_ttl_s: float, failed_ttl_s: float = FAILED_TTL_S) -> None:
+        self.inflight_ttl_s, self.failed_ttl_s = inflight_ttl_s, failed_ttl_s
+        self._inflight: dict[str, InflightLoad] = {}  # req_id -> its load
+        self._busy: dict[str, int] = {}  # chunk hash -> loads in flight that carry it
+        self._failed: dict[str, float] = {}  # chunk hash -> when its failure was reported
+
+    # ---- in flight ------------------------------------------------------------------
+    def start(self, req_id: str, chunk_hashes: list[str], first_tokens: dict[str, int], block_ids: list[int]) -> None:
+        self.settle(req_id)  # a request has at most one load in flight
+        self._inflight[req_id] = InflightLoad(chunk_hashes, first_tokens, list(block_ids),
+                                              time.monotonic() + self.inflight_ttl_s)
+        for h in chunk_hashes:
+            self._busy[h] = self._busy.get(h, 0) + 1
+
+    def settle(self, req_id: str) -> InflightLoad | None:
+        """The load of ``req_id`` has an outcome (or will never have one): forget it, return what it was."""
+        load = self._inflight.pop(req_id, None)
+        if load is not None:
+            for h in load.chunk_hashes:
+                left = self._busy.get(h, 0) - 1
+                if left > 0:
+                    self._busy[h] = left
+                else:
+                    self._busy.pop(h, None)
+        return load
+
+    def busy(self, chunk_hashes: Iterable[str]) -> bool:
+        """Whether any of these chunks is being loaded by some request right now."""
+        self._expire_inflight()
+        return any(h in self._busy for h in chunk_hashes)
+
+    def inflight_requests(self) -> list[str]:
+        return list(self._inflight)
+
+    def _expire_inflight(self) -> None:
+        now = time.monotonic()
+        for req_id in [r for r, load in self._inflight.items() if load.expires <= now]:
+            self.settle(req_id)
+
+    # ---- failed ---------------------------------------------------------------------
+    def mark_failed(self, chunk_hashes: Iterable[str]) -> None:
+        now = time.monotonic()
+        for h in chunk_hashes:
+            self._failed[h] = now
+
+    def replaced(self, chunk_hash: str) -> None:
+        """A save of ``chunk_hash`` landed: its object is whole again."""
+        self._failed.pop(chunk_hash, None)
+
+    def first_failed(self, chunk_hashes: Sequence[str]) -> int:
+        """Index of the first chunk known to fail, or ``len(chunk_hashes)``."""
+        if self._failed:
+            cutoff = time.monotonic() - self.failed_ttl_s
+            for h in [h for h, t in self._failed.items() if t <= cutoff]:
+                del self._failed[h]
+        for i, h in enumerate(chunk_hashes):
+            if h in self._failed:
+                return i
+        return len(chunk_hashes)
+
+    def is_idle(self) -> bool:
+        return not self._inflight and not self._busy

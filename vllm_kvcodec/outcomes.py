@@ -1,0 +1,29 @@
+"""How a load or a save ended, as the worker reports it to the scheduler half.
+
+Plain data without vLLM, so the load path (which the GPU check runs without
+vLLM) can produce it; :mod:`~.metadata` carries it across processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class LoadOutcome:
+    """How one request's load ended: chunk hashes in place, and chunk hashes that failed (any layer group, any rank)."""
+
+    loaded: list[str] = dataclasses.field(default_factory=list)
+    failed: list[str] = dataclasses.field(default_factory=list)
+
+    def merge(self, other: "LoadOutcome") -> "LoadOutcome":
+        failed = list(dict.fromkeys(self.failed + other.failed))
+        loaded = [h for h in dict.fromkeys(self.loaded + other.loaded) if h not in failed]
+        return LoadOutcome(loaded, failed)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOutcome:
+    req_id: str
+    chunk_hash: str
+    landed: bool  # False: dropped or failed (counted on the worker with its reason)
