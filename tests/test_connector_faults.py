@@ -91,7 +91,8 @@ def test_faulty_store_stream_gives_fault_free_tokens(prompts, reference, tmp_pat
     # Every faulty read fails its object's load (objects refused after a timeout fail too).
     assert stats["load_failures"] >= faulty_reads, (stats, faults)
     assert stats.get("load_timeouts", 0) >= (1 if faults["delay"] else 0), stats
-    assert stats["loaded_tokens"] > 0 and stats["saved_chunks"] == 9, stats
+    # 3 chunks per prefix, and again each chunk whose load failed, by the request that recomputes it.
+    assert stats["loaded_tokens"] > 0 and 9 <= stats["saved_chunks"] <= 9 + scheduler_stats()["failed_load_chunks"], stats
 
 
 def outage(switch: Callable[[FaultInjector], None]) -> None:
@@ -110,8 +111,10 @@ def test_store_down_at_start_and_mid_run_serves_by_recompute_then_hits_again(pro
         serve(llm, prompts, reference, [("a", 0), ("a", 2)], conn)
         assert scheduler_stats()["lookup_failures"] == 2
         stats = conn.stats()
-        assert stats.get("saves_dropped_store_down", 0) + stats.get("save_failures", 0) == 6, stats
-        assert "loaded_tokens" not in stats
+        # Each of the 6 chunk saves was deferred by the scheduler half, dropped or failed; none landed.
+        lost = scheduler_stats().get("saves_deferred_store_down", 0) + stats.get("saves_dropped_store_down", 0)
+        assert lost + stats.get("save_failures", 0) >= 6, stats
+        assert "loaded_tokens" not in stats and "saved_chunks" not in stats
         assert not list(open_store(f"file://{root}").keys())
         # Back up: the next request saves its prefix, the one after loads it.
         outage(FaultInjector.up)
