@@ -12,6 +12,9 @@ built during an outage is not replayed when the store returns. Workers are
 daemon threads: a call stuck in the client never keeps the process from exiting.
 At most ``workers`` calls run at once; beyond that, calls wait their turn within
 their own deadline.
+
+Closing waits for the calls still running before it releases what they use:
+Mooncake's client crashes the process (SIGSEGV) when it is closed under a call.
 """
 
 from __future__ import annotations
@@ -53,12 +56,19 @@ class Deadline:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._active = 0  # jobs queued or running
+        self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)]
         for thread in self._threads:
             thread.start()
 
     def call(self, fn: Callable[[], _T], what: str) -> _T:
         job: _Job[_T] = _Job(fn)
+        with self._idle:
+            if self._closed:
+                raise StoreUnavailableError(f"{what}: the store is closed")
+            self._active += 1
         self._jobs.put(job)
         if not job.done.wait(self.timeout_s):
             job.abandoned = True
@@ -67,11 +77,28 @@ class Deadline:
             raise job.error
         return job.result  # type: ignore[return-value]
 
-    def close(self) -> None:
-        """Let the workers exit once the calls they are running return."""
+    def close(self, finalizer: Callable[[], object] | None = None) -> bool:
+        """Refuse new calls; once the running ones returned (within ``timeout_s``), run ``finalizer`` (bounded too).
+
+        False, and ``finalizer`` not run, when a call is still running: what it uses must outlive it.
+        Without a finalizer nothing is waited for.
+        """
+        with self._idle:
+            self._closed = True
+            idle = finalizer is None or self._idle.wait_for(lambda: self._active == 0, self.timeout_s)
+        if finalizer is not None and idle:
+            final = threading.Thread(target=finalizer, name="kvcodec-store-close", daemon=True)
+            final.start()
+            final.join(self.timeout_s)
         for _ in self._threads:
             self._jobs.put(None)
+        return idle
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            job.run()
+            try:
+                job.run()
+            finally:
+                with self._idle:
+                    self._active -= 1
+                    self._idle.notify_all()

@@ -32,8 +32,10 @@ the client waits 30 s for a master that stopped answering.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import suppress
@@ -49,6 +51,7 @@ from storage.mooncake_options import MooncakeOptions, parse_mooncake_url
 from storage.options import redact_url
 
 _T = TypeVar("_T")
+logger = logging.getLogger("vllm_kvcodec")
 
 # mooncake-store/include/types.h; the ones below mean "the pool cannot be reached", not "this call is wrong".
 _CODES = {
@@ -63,7 +66,10 @@ OBJECT_NOT_FOUND = -704
 # An upsert that another client's later upsert of the same key overtook: the key holds that writer's value,
 # as if this put had landed first. Not a failure.
 SUPERSEDED = -601
+NO_ROOM = -200  # NO_AVAILABLE_HANDLE: the pool is full until the master's eviction frees space
+_FULL_POOL_PAUSES_S = (0.02, 0.05, 0.1, 0.2)
 _CONNECT_PROBE_S = 1.0
+_UNREAD: Any = object()  # batch_get_buffer returned no buffer for this key
 
 
 class MooncakeStore(Store):
@@ -129,11 +135,16 @@ class MooncakeStore(Store):
                 yield line[len(self.options.prefix) :]
 
     def _close(self) -> None:
-        with suppress(Exception):  # a lease held by a call still stuck in the client
+        if not self._deadline.close(self._release):
+            logger.warning(
+                "kvcodec: a call on %s is still running in the Mooncake client; its client is left open", self.url
+            )
+
+    def _release(self) -> None:
+        with suppress(Exception):
             self._staging.close()
-        with suppress(StoreError):
-            self._call(self._client.close, "close")
-        self._deadline.close()
+        with suppress(Exception):
+            self._client.close()
 
     # -- what runs on the deadline's workers ----------------------------------------------
 
@@ -155,9 +166,9 @@ class MooncakeStore(Store):
         return setup.client
 
     def _read(self, full: list[str]) -> list[bytes | None]:
-        handles = self._client.batch_get_buffer(full)
-        values = [None if h is None else _value(k, h) for k, h in zip(full, handles)]
-        unread = [i for i, h in enumerate(handles) if h is None]
+        # The batch's handles die with this comprehension, freeing the client buffer for the retries below.
+        values = [_UNREAD if h is None else _value(k, h) for k, h in zip(full, self._client.batch_get_buffer(full))]
+        unread = [i for i, v in enumerate(values) if v is _UNREAD]
         if unread:
             codes = self._client.batch_is_exist([full[i] for i in unread])
             self._raise_for(codes, "get")
@@ -183,11 +194,30 @@ class MooncakeStore(Store):
             raise StoreError(f"an object of {sizes[0]} bytes does not fit buffer={self.options.buffer} of {self.url}")
         lease = self._staging.acquire(sum(sizes), timeout=self.options.timeout_s)
         try:
-            ptrs = _stage(lease, items, sizes)
-            codes = self._client.batch_upsert_from([k for k, _ in items], ptrs, sizes, self._config)
+            codes = self._upsert([k for k, _ in items], _stage(lease, items, sizes), sizes)
         finally:
             lease.release()
         self._raise_for([0 if c == SUPERSEDED else c for c in codes], "put")
+
+    def _upsert(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        """``batch_upsert_from``, retrying the objects a full pool had no room for while the master evicts.
+
+        A full pool is a cache's steady state: the master evicts in the background
+        (every 10 ms, ``eviction_ratio`` of the pool at a time), so a put that
+        finds no room (NO_AVAILABLE_HANDLE) usually finds it a moment later.
+        """
+        codes = self._client.batch_upsert_from(keys, ptrs, sizes, self._config)
+        for pause in _FULL_POOL_PAUSES_S:
+            retry = [i for i, c in enumerate(codes) if c == NO_ROOM]
+            if not retry:
+                break
+            time.sleep(pause)
+            again = self._client.batch_upsert_from(
+                [keys[i] for i in retry], [ptrs[i] for i in retry], [sizes[i] for i in retry], self._config
+            )
+            for i, code in zip(retry, again):
+                codes[i] = code
+        return codes
 
     def _all_keys(self) -> str:
         with urllib.request.urlopen(f"{self.options.admin}/get_all_keys", timeout=self.options.timeout_s) as reply:
