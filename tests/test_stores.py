@@ -30,7 +30,6 @@ from storage import (
 )
 from storage.file_store import FileStore
 from storage.memory_store import MemoryStore
-from tests.mooncake_server import mooncake_pool, mooncake_url  # noqa: F401 (fixtures used by name)
 from tests.redis_server import (  # noqa: F401 (fixtures used by name)
     redis_cluster_server,
     redis_cluster_url,
