@@ -7,11 +7,16 @@ master runs with its built-in HTTP metadata server; each node is a
 segment into the pool, so two nodes are two machines' worth of pool on one
 host. Every port is a free loopback port chosen here, logs go to a temp
 directory removed on stop, and every process is stopped by its own pid, never
-by name, so other pools on the machine are left alone.
+by name, so other pools on the machine are left alone. On Linux each process
+is also killed when the thread that started it dies, so a test run that
+crashes (Mooncake's client can segfault) leaves no pool behind; start pools
+from a thread that outlives them (the main thread, as pytest and the
+benchmarks do).
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
@@ -19,6 +24,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -28,6 +34,8 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 START_TIMEOUT_S = 20.0
+_PR_SET_PDEATHSIG = 1
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
 
 class MooncakeServerError(RuntimeError):
@@ -63,7 +71,9 @@ class MooncakeProcess:
 
     def start(self) -> None:
         with open(self.log, "ab") as log:
-            self._proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self._proc = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+            )
 
     def kill(self) -> None:
         """SIGKILL: gone mid-conversation, as in a crash (its memory goes with it)."""
@@ -214,6 +224,12 @@ def _start_node(pool: MooncakePool, folder: Path, name: str, segment_bytes: int)
     node.start()
     _wait_for(lambda: len(pool.live_segments() - before) == 1, node, f"{name}'s segment")
     (pool.segments[name],) = pool.live_segments() - before
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGKILL it when its parent thread dies (no-op off Linux)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _wait_for(ready, proc: MooncakeProcess, what: str) -> None:
