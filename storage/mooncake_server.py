@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import json
-import os
 import shutil
 import signal
 import socket
@@ -32,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlencode
+
+from storage.processes import OwnedProcess
 
 START_TIMEOUT_S = 20.0
 _PR_SET_PDEATHSIG = 1
@@ -52,7 +53,7 @@ def find_mooncake() -> Path | None:
 
 
 @dataclass
-class MooncakeProcess:
+class MooncakeProcess(OwnedProcess):
     """One master or node process; ``stop()`` is idempotent."""
 
     name: str
@@ -65,48 +66,17 @@ class MooncakeProcess:
         assert self._proc is not None, f"{self.name} is not running"
         return self._proc.pid
 
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
     def start(self) -> None:
         with open(self.log, "ab") as log:
             self._proc = subprocess.Popen(
                 self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
             )
 
-    def kill(self) -> None:
-        """SIGKILL: gone mid-conversation, as in a crash (its memory goes with it)."""
-        self._signal(signal.SIGKILL)
-        self.stop()
-
-    def freeze(self) -> None:
-        """SIGSTOP: keeps its sockets but never answers, as in a hung host."""
-        self._signal(signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        self._signal(signal.SIGCONT)
-
-    def stop(self, timeout: float = 5.0) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)  # a frozen process cannot act on SIGTERM
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout)
-
     def exited(self) -> str | None:
         """Why the process is gone (exit code and log tail), or None while it runs."""
         if self._proc is None or self._proc.poll() is None:
             return None
         return f"{self.name} exited with {self._proc.returncode}:\n{_tail(self.log)}"
-
-    def _signal(self, signum: int) -> None:
-        if self.running:
-            os.kill(self.pid, signum)
 
 
 @dataclass

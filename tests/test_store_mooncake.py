@@ -20,7 +20,7 @@ from storage.mooncake_options import parse_mooncake_url
 from storage.mooncake_server import MooncakePool
 from storage.outage import OutageGuard, StoreDownError
 from tests.mooncake_server import short_lived_mooncake_pool
-from tests.test_stores import assert_whole, checked_value
+from tests.test_stores import checked_value
 
 pytestmark = pytest.mark.mooncake
 
