@@ -14,10 +14,12 @@ apart on loopback, so the choice is the one that moves each byte least):
   Upsert, not put: Mooncake's put keeps the first value of a key and reports
   success for the second, which would break "overwrite replaces". Of two
   concurrent upserts of one key the later one wins and the earlier is refused
-  (ILLEGAL_CLIENT): that put counts as done, overwritten at once.
-- ``get_many``/``get``: one ``batch_get_buffer`` (the client reads into its own
-  registered buffer; the trailer is checked in place, then the value is copied
-  out once). Mooncake answers a missing key and a failed read alike (no
+  (ILLEGAL_CLIENT): that put counts as done, overwritten at once. Objects a full
+  pool has no room for (NO_AVAILABLE_HANDLE) are retried for ~0.4 s while the
+  master evicts.
+- ``get_many``/``get``: one ``batch_get_buffer`` of the distinct keys
+  (``get_buffer`` for one): the client reads into its own registered buffer, the
+  trailer is checked in place, then the value is copied out once. Mooncake answers a missing key and a failed read alike (no
   buffer), so the keys without one are asked about with ``batch_is_exist``:
   an error code there means the master is unreachable (StoreUnavailableError),
   and a key that exists but could not be read (a batch larger than the buffer,
@@ -27,7 +29,8 @@ apart on loopback, so the choice is the one that moves each byte least):
 - ``keys``: the master's admin endpoint ``/get_all_keys`` (inspection only).
 
 Every call runs under a :class:`storage.deadline.Deadline` (``timeout_s``), because
-the client waits 30 s for a master that stopped answering.
+the client waits 30 s for a master that stopped answering; the hop to its worker
+thread costs ~0.04 ms, against ~1 ms for a 1 MiB get on loopback.
 """
 
 from __future__ import annotations
