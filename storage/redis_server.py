@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from storage.processes import OwnedProcess
 
 START_TIMEOUT_S = 10.0
 
@@ -32,7 +33,7 @@ def find_redis_server() -> str | None:
 
 
 @dataclass
-class RedisServer:
+class RedisServer(OwnedProcess):
     """A running local redis-server; ``stop()`` is idempotent."""
 
     port: int
@@ -47,31 +48,8 @@ class RedisServer:
         scheme = ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
         return f"{scheme}://127.0.0.1:{self.port}/0"
 
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL: the server vanishes mid-conversation, as in a crash."""
-        self._signal(signal.SIGKILL)
-        self.stop()
-
-    def freeze(self) -> None:
-        """SIGSTOP: the server keeps its sockets but never answers, as in a hung host."""
-        self._signal(signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        self._signal(signal.SIGCONT)
-
-    def stop(self, timeout: float = 5.0) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            _terminate(proc, timeout)
+    def _stopped(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def _signal(self, signum: int) -> None:
-        if self.running:
-            os.kill(self.pid, signum)
 
     def __enter__(self) -> RedisServer:
         return self
@@ -208,13 +186,3 @@ def _log_tail(workdir: str, limit: int = 2000) -> str:
     except OSError:
         return "(no log)"
 
-
-def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGCONT)  # a frozen server cannot act on SIGTERM
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)

@@ -7,12 +7,14 @@ URL forms:
 - ``memory://`` (private) or ``memory://name`` (shared within the process).
 - ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS),
   ``redis+cluster://``, ``rediss+cluster://``; options in :mod:`storage.redis_store`.
+- ``mooncake://master_host:port?metadata=...&segment=...``: a Mooncake Store
+  pool; options in :mod:`storage.mooncake_options`.
 - ``link+<any of the above>?gbps=G&rtt_ms=R``: the store behind an emulated
   network link (:mod:`storage.link`).
 - ``faults+<any of the above>?seed=S&drop=P&truncate=P&corrupt=P&delay=P&delay_s=D&swap=P&down=0``:
   the store behind seeded fault injection, for tests (:mod:`storage.faults`).
 
-Backends are imported on demand, so ``redis`` stays an optional dependency.
+Backends are imported on demand, so ``redis`` and ``mooncake`` stay optional dependencies.
 """
 
 from __future__ import annotations
@@ -52,9 +54,11 @@ def open_store(url: str) -> Store:
         return _open_memory(url)
     if scheme in _REDIS_SCHEMES:
         return _open_redis(url)
+    if scheme == "mooncake":
+        return _open_mooncake(url)
     raise StoreURLError(
         f"unknown store scheme {scheme!r} in {redact_url(url)}; "
-        "use file://, memory://, redis://, rediss://, redis+cluster://, link+<url> or faults+<url>"
+        "use file://, memory://, redis://, rediss://, redis+cluster://, mooncake://, link+<url> or faults+<url>"
     )
 
 
@@ -89,6 +93,17 @@ def _open_redis(url: str) -> Store:
     except ImportError as exc:
         raise StoreURLError(f"{redact_url(url)} needs redis-py: pip install 'vllm-kvcodec[redis]' ({exc})") from None
     return RedisStore(url)
+
+
+def _open_mooncake(url: str) -> Store:
+    try:
+        from storage.mooncake_store import MooncakeStore
+    except ImportError as exc:
+        raise StoreURLError(
+            f"{redact_url(url)} needs the Mooncake client: pip install 'vllm-kvcodec[mooncake]' "
+            f"(and Debian's libibverbs1) ({exc})"
+        ) from None
+    return MooncakeStore(url)
 
 
 def _open_link(url: str) -> Store:

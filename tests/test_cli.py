@@ -31,12 +31,17 @@ def test_bench_codecs_writes_json(tmp_path) -> None:
 
 
 @pytest.mark.redis
-def test_bench_stores_measures_file_and_a_temporary_redis(tmp_path) -> None:
+@pytest.mark.mooncake
+def test_bench_stores_measures_file_a_temporary_redis_and_a_temporary_mooncake_pool(tmp_path) -> None:
+    from tests.mooncake_server import require_mooncake
+
+    require_mooncake()
     out = tmp_path / "stores.json"
-    done = kvcodec("bench", "stores", "--output", str(out))
+    done = kvcodec("bench", "stores", "--threads", "2", "--output", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
-    assert {r["store"] for r in rows} == {"file", "redis"}
+    assert {r["store"] for r in rows} == {"file", "redis", "mooncake"}
+    assert {r["threads"] for r in rows} == {2}
     assert all(r["put_MBps"] > 0 and r["get_MBps"] > 0 for r in rows)
 
 

@@ -141,6 +141,8 @@ def chunks(real_kv_1k: torch.Tensor) -> list[torch.Tensor]:
 def store_url(request, tmp_path: Path) -> str:
     if request.param == "file":
         return f"file://{tmp_path / 'store'}"
+    if request.param == "mooncake":
+        return request.getfixturevalue("mooncake_url")
     return request.getfixturevalue("redis_url")
 
 
@@ -187,7 +189,7 @@ def stored_value(url: str, key: str) -> bytes:
 
 ROUND_TRIPS = [("file", c) for c in ("raw", "zstd", "splitzip", "rans", "video")] + [
     ("redis", c) for c in ("raw", "zstd", "splitzip", "rans")
-]
+] + [("mooncake", "rans")]
 
 
 @pytest.mark.parametrize(("store_url", "codec"), ROUND_TRIPS, indirect=["store_url"],
@@ -350,7 +352,7 @@ def test_unreachable_store_gives_misses_not_errors(chunks, tmp_path: Path) -> No
         eng.assert_all_freed()
 
 
-@pytest.mark.parametrize("store_url", ["file", "redis"], indirect=True)
+@pytest.mark.parametrize("store_url", ["file", "redis", "mooncake"], indirect=True)
 def test_corrupted_objects_are_logged_misses(store_url: str, chunks, tmp_path: Path, warnings_of_connector) -> None:
     with lmcache_engine(write_config(tmp_path, store_url, "rans")) as eng:
         keys = [eng.key(100 + i) for i in range(4)]

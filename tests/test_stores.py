@@ -73,14 +73,17 @@ def url_for(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
         return request.getfixturevalue("redis_url") + "?prefix=test/"
     if kind == "redis_cluster":
         return request.getfixturevalue("redis_cluster_url") + "?prefix=test/"
+    if kind == "mooncake":
+        return request.getfixturevalue("mooncake_url")
     if kind == "link_memory":
         return f"link+memory://test-{uuid.uuid4().hex}?gbps=20&rtt_ms=0.05"
     raise AssertionError(kind)
 
 
 REDIS_KINDS = [pytest.param(kind, marks=pytest.mark.redis) for kind in ("redis", "redis_cluster")]
-ALL_KINDS = ["memory", "file", "file_capped", *REDIS_KINDS, "link_memory"]
-SHARED_KINDS = ["file", "file_small_cap", *REDIS_KINDS]
+MOONCAKE_KINDS = [pytest.param("mooncake", marks=pytest.mark.mooncake)]
+ALL_KINDS = ["memory", "file", "file_capped", *REDIS_KINDS, *MOONCAKE_KINDS, "link_memory"]
+SHARED_KINDS = ["file", "file_small_cap", *REDIS_KINDS, *MOONCAKE_KINDS]
 
 
 @pytest.fixture(params=ALL_KINDS)

@@ -31,11 +31,15 @@ def bench_codecs(
 def bench_stores(
     output: Path = typer.Option(RESULTS / "stores.json", help="JSON file to write."),
     redis_url: Optional[str] = typer.Option(None, help="Redis to measure (default: a temporary local redis-server)."),
+    mooncake_url: Optional[str] = typer.Option(
+        None, help="Mooncake pool to measure (default: a temporary local master and two nodes)."
+    ),
+    threads: Optional[list[int]] = typer.Option(None, "--threads", help="Thread count(s) (repeatable; default 1, 4)."),
 ) -> None:
-    """put/get MB/s of the file and Redis stores for 1, 4 and 16 MiB objects."""
+    """put/get MB/s of the file, Redis and Mooncake stores for 1, 4 and 16 MiB objects, 1 and 4 threads."""
     from vllm_kvcodec.bench import stores
 
-    stores.run(output, redis_url=redis_url)
+    stores.run(output, redis_url=redis_url, mooncake_url=mooncake_url, threads=tuple(threads or stores.THREADS))
 
 
 @bench_app.command("ttft")
@@ -49,12 +53,15 @@ def bench_ttft(
     repeats: int = typer.Option(3, help="Timed requests per codec and link (the median is reported)."),
     video: bool = typer.Option(False, "--video", help="Also measure the video codec (slow to encode)."),
     quick: bool = typer.Option(False, "--quick", help="raw, rans and auto only, 2 repeats."),
+    store: Optional[str] = typer.Option(
+        None, help="Store URL behind the link (e.g. mooncake://host:port?...; default: a temporary file store)."
+    ),
 ) -> None:
     """TTFT of a 4k-token prefix loaded through the connector per codec at 1/10/100 Gbit/s vs recompute."""
     from vllm_kvcodec.bench import ttft
 
     ttft.run(output, codecs=codec or None, gbps=gbps or None, rtt_ms=rtt_ms, prefix_tokens=prefix_tokens,
-             suffix_tokens=suffix_tokens, repeats=repeats, video=video, quick=quick)
+             suffix_tokens=suffix_tokens, repeats=repeats, video=video, quick=quick, store=store)
 
 
 @bench_app.command("fuzz")

@@ -26,7 +26,7 @@ class ConnectorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    store: str = Field(default_factory=default_store_url, description="Store URL: file:///path, redis://host:port/db, rediss://..., memory://name.")
+    store: str = Field(default_factory=default_store_url, description="Store URL: file:///path, redis://host:port/db, rediss://..., mooncake://master:port?..., memory://name.")
     codec: str | dict[str, Any] | None = Field(None, description="Codec id or config dict (raw, zstd, splitzip, rans, video), 'auto' to pick by measured link and codec speed, or null for the densest codec the model's dtype allows (rans; zstd for float16).")
     chunk_size: int = Field(256, gt=0, description="Tokens per stored chunk; a multiple of vLLM's block_size.")
     layers_per_object: int = Field(0, ge=0, description="Layers per stored object so loads stream layer group by layer group; 0 picks about 6 groups.")
@@ -49,8 +49,8 @@ class ConnectorConfig(BaseModel):
     @classmethod
     def _known_scheme(cls, url: str) -> str:
         scheme = url.split("://", 1)[0] if "://" in url else ""
-        if scheme.split("+")[-1] not in {"file", "redis", "rediss", "memory", "cluster"} and not scheme.startswith(("link+", "redis+", "faults+")):
-            raise ValueError(f"unsupported store URL {redact_url(url)!r}: use file:///path, redis://host:port/db, rediss://... or memory://name")
+        if scheme.split("+")[-1] not in {"file", "redis", "rediss", "memory", "cluster", "mooncake"} and not scheme.startswith(("link+", "redis+", "faults+")):
+            raise ValueError(f"unsupported store URL {redact_url(url)!r}: use file:///path, redis://host:port/db, rediss://..., mooncake://master:port or memory://name")
         return url
 
     @field_validator("codec")

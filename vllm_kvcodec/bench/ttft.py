@@ -2,7 +2,10 @@
 
 SmolLM2-135M in an in-process vLLM engine on the CPU; the store is the file
 store in a temporary directory behind :class:`storage.link.LinkEmulator`
-(``link+file://...?gbps=G&rtt_ms=R``) at 1, 10 and 100 Gbit/s.
+(``link+file://...?gbps=G&rtt_ms=R``) at 1, 10 and 100 Gbit/s. With ``store``
+(any store URL, e.g. ``mooncake://...`` or ``redis://...``) that store sits
+behind the link instead, each codec under a key prefix of its own; its objects
+are left to the store's own eviction.
 
 For every codec the store is populated once (a cold engine computes the
 ``prefix + suffix0`` prompt and saves its chunks; we wait for the background
@@ -32,8 +35,11 @@ import shutil
 import statistics
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
+
+from storage.options import split_query, with_query
 
 from vllm_kvcodec.bench.report import console, machine, write_json
 
@@ -74,6 +80,7 @@ def run(
     video: bool = False,
     quick: bool = False,
     chunk_size: int = 256,
+    store: str | None = None,
 ) -> dict[str, Any]:
     from vllm_kvcodec.demo import BLOCK_SIZE, Engine, engine_env
 
@@ -134,8 +141,7 @@ def run(
                 where = f"[{n}/{len(plans)}] {name} at {g:g} Gbit/s"
                 # auto picks its codec from the link it saves over: one store per link speed
                 store_key = f"{name}@{g:g}" if codec == "auto" else name
-                store_dir = tmp / store_key.replace("/", "_")
-                url = f"link+file://{store_dir}?gbps={g:g}&rtt_ms={rtt_ms:g}"
+                url = _plan_url(store, tmp, store_key, g, rtt_ms)
                 status.update(f"{where}: starting an engine")
                 engine = Engine(url, codec, max_model_len=max_len, chunk_size=chunk_size)
                 if store_key not in populated:
@@ -192,6 +198,19 @@ def run(
     _print(result)
     write_json(result, output)
     return result
+
+
+_RUN = uuid.uuid4().hex[:12]
+
+
+def _plan_url(store: str | None, tmp: Path, store_key: str, g: float, rtt_ms: float) -> str:
+    """One plan's store behind the emulated link: its own directory, or its own key prefix on ``store``."""
+    link = {"gbps": f"{g:g}", "rtt_ms": f"{rtt_ms:g}"}
+    if store is None:
+        return with_query(f"link+file://{tmp / store_key.replace('/', '_')}", link)
+    base, options = split_query(store)
+    options["prefix"] = f"{options.get('prefix', '')}kvcodec-ttft/{_RUN}/{store_key.replace('/', '_')}/"
+    return with_query(f"link+{base}", {**options, **link})
 
 
 def _row(name: str, g: float, ttfts: list[float], loads: list[dict[str, float]], saved: dict[str, Any],

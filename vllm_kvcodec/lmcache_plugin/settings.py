@@ -6,7 +6,8 @@ plug-in instance named ``kvcodec`` (or ``kvcodec.<instance>``) reads the keys
 
 ``store`` (required)
     a store URL of :func:`storage.open_store`: ``redis://host:6379/0``,
-    ``rediss://...``, ``redis+cluster://...``, ``file:///path``, ``memory://name``.
+    ``rediss://...``, ``redis+cluster://...``, ``mooncake://master:port?...``, ``file:///path``,
+    ``memory://name``.
 ``codec``
     a codec id or config dict (``rans``, ``zstd``, ``splitzip``, ``raw``,
     ``video``; dict form ``{"id": "zstd", "level": 3}``). Default ``rans``. A
