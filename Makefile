@@ -41,13 +41,13 @@ libibverbs:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; }
 
 demo: install
-	$(PY) -m vllm_kvcodec.cli demo
+	$(PY) -m vllm_kvcodec.tools.cli demo
 
 test: install redis-server libibverbs
 	$(PY) -m pytest -q -rs
 
 bench: install
-	$(PY) -m vllm_kvcodec.bench codecs
+	$(PY) -m vllm_kvcodec.tools.bench codecs
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

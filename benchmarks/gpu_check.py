@@ -15,7 +15,7 @@ PyNvVideoCodec (NVDEC/NVENC; reported "absent" otherwise). Input:
 when ``OUT`` is set, else ``./gpu_check.json``.
 
 Sections (each isolated: a failure is recorded and the next one runs):
-env, selftest (every bit-exactness case of vllm_kvcodec.gpu.selftest), realkv
+env, selftest (every bit-exactness case of vllm_kvcodec.tools.gpu_selftest), realkv
 (GPU payloads of real KV vs the CPU codec's digests and the numpy reference,
 decode of the reference payload), throughput (device copy vs SplitZip encode
 and decode on ~1.5 GB of tiled real KV, a small sweep of kernel settings,
@@ -237,7 +237,7 @@ def sec_env(d: dict) -> None:
 
 
 def sec_selftest(d: dict) -> None:
-    from vllm_kvcodec.gpu import selftest
+    from vllm_kvcodec.tools import gpu_selftest as selftest
 
     datasets = None
     if DATASET is not None:
@@ -258,7 +258,7 @@ def sec_selftest(d: dict) -> None:
 
 
 def sec_realkv(d: dict) -> None:
-    from vllm_kvcodec.gpu import splitzip_ref
+    from vllm_kvcodec.tools import splitzip_ref
     from vllm_kvcodec.gpu import splitzip_triton as g
 
     if DATASET is None:
@@ -477,7 +477,7 @@ def sec_scatter(d: dict) -> None:
 
 
 class _CollectingSaver:
-    """Stands in for vllm_kvcodec.saver.Saver (which imports vLLM): keeps what the save gather hands over."""
+    """Stands in for vllm_kvcodec.save.saver.Saver (which imports vLLM): keeps what the save gather hands over."""
 
     def __init__(self) -> None:
         self.got: dict = {}
@@ -489,8 +489,8 @@ class _CollectingSaver:
 
 def sec_gpu_fetcher(d: dict) -> None:
     """Real KV chunks (splitzip and CPU codecs) in a memory store -> CudaFetcher -> packed caches -> gather -> compare."""
-    from vllm_kvcodec.gpu import load_check as lc
-    from vllm_kvcodec.gpu.cuda_fetcher import CudaFetcher
+    from vllm_kvcodec.tools import gpu_load_check as lc
+    from vllm_kvcodec.load.cuda_fetcher import CudaFetcher
     from vllm_kvcodec.paged import PackedKVAdapter
 
     if DATASET is None:

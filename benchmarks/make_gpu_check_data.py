@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_kvcodec.codecs.splitzip import SplitZipCodec
     from vllm_kvcodec.dtypes import DType
     from vllm_kvcodec.format import encode_chunk
-    from vllm_kvcodec.smollm2 import real_kv
+    from vllm_kvcodec.tools.smollm2 import real_kv
 
     t0 = time.perf_counter()
     kv = real_kv(args.tokens).contiguous()
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         splitzip[f"chunk{i}"] = {"payload": _digest(codec.encode(bits(chunk), DType.BFLOAT16)),
                                  "chunk": _digest(encode_chunk(chunk, "splitzip")),
                                  "tokens": [256 * i, 256 * (i + 1)]}
-    data = {"kv": kv, "splitzip": splitzip, "meta": {"source": "vllm_kvcodec.smollm2.real_kv", "tokens": args.tokens}}
+    data = {"kv": kv, "splitzip": splitzip, "meta": {"source": "vllm_kvcodec.tools.smollm2.real_kv", "tokens": args.tokens}}
     try:
         from vllm_kvcodec.format import read_header
 

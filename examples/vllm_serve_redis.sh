@@ -101,7 +101,7 @@ done
 echo "redis-server: $STORE (pid $REDIS_PID)"
 
 # ---- 2. vllm serve ----------------------------------------------------------------------------
-MODEL=${MODEL:-$("$PY" -c 'from vllm_kvcodec.smollm2 import model_dir; print(model_dir())')}
+MODEL=${MODEL:-$("$PY" -c 'from vllm_kvcodec.tools.smollm2 import model_dir; print(model_dir())')}
 KV_CONFIG=$("$KVCODEC" config --store "$STORE")
 echo "model: $MODEL"
 echo "--kv-transfer-config $KV_CONFIG"
@@ -149,7 +149,7 @@ stop_vllm() {
 import sys
 from pathlib import Path
 from transformers import AutoTokenizer
-from vllm_kvcodec.smollm2 import sample_text
+from vllm_kvcodec.tools.smollm2 import sample_text
 
 model, n, work = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
 tok = AutoTokenizer.from_pretrained(model)

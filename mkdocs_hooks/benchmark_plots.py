@@ -1,6 +1,6 @@
 """mkdocs hook: draw the benchmark charts as SVG from the recorded JSON, at build time.
 
-The JSON in ``docs/data/`` is what ``python -m vllm_kvcodec.bench codecs`` and
+The JSON in ``docs/data/`` is what ``python -m vllm_kvcodec.tools.bench codecs`` and
 ``... ttft`` wrote on the development machine (the figures the tables in
 ``benchmarks.md`` quote). Images are never committed: each build renders
 them again into the site as ``plots/<name>.svg``, registered as mkdocs files
@@ -20,7 +20,7 @@ import matplotlib
 from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure.files import File, Files
 
-from vllm_kvcodec.bench import plots
+from vllm_kvcodec.tools.bench import plots
 
 # site path of the chart -> (recorded JSON under docs/, the function that draws it)
 CHARTS: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {

@@ -6,20 +6,17 @@
 ...     store.get("model/ns/chunk-0")
 b'...'
 
-See docs/stores.md for the URL forms, options and guarantees.
+See docs/stores.md for the URL forms, options and guarantees; the test and benchmark
+wrappers (``link+``, ``faults+``) and servers live in :mod:`storage.testing`.
 """
 
 from storage.base import MAX_KEY_LENGTH, Store, validate_key
 from storage.errors import InvalidKeyError, StoreError, StoreUnavailableError, StoreURLError
-from storage.faults import FaultInjector
-from storage.link import LinkEmulator
 from storage.url import open_store
 
 __all__ = [
     "MAX_KEY_LENGTH",
-    "FaultInjector",
     "InvalidKeyError",
-    "LinkEmulator",
     "Store",
     "StoreError",
     "StoreURLError",

@@ -10,9 +10,9 @@ URL forms:
 - ``mooncake://master_host:port?metadata=...&segment=...``: a Mooncake Store
   pool; options in :mod:`storage.mooncake_options`.
 - ``link+<any of the above>?gbps=G&rtt_ms=R``: the store behind an emulated
-  network link (:mod:`storage.link`).
+  network link (:mod:`storage.testing.link`).
 - ``faults+<any of the above>?seed=S&drop=P&truncate=P&corrupt=P&delay=P&delay_s=D&swap=P&down=0``:
-  the store behind seeded fault injection, for tests (:mod:`storage.faults`).
+  the store behind seeded fault injection, for tests (:mod:`storage.testing.faults`).
 
 Backends are imported on demand, so ``redis`` and ``mooncake`` stay optional dependencies.
 """
@@ -107,7 +107,7 @@ def _open_mooncake(url: str) -> Store:
 
 
 def _open_link(url: str) -> Store:
-    from storage.link import LinkEmulator
+    from storage.testing.link import LinkEmulator
 
     base, options = split_query(url[len("link+") :])
     missing = {"gbps"} - set(options)
@@ -120,7 +120,7 @@ def _open_link(url: str) -> Store:
 
 
 def _open_faults(url: str) -> Store:
-    from storage.faults import FAULT_KINDS, FaultInjector
+    from storage.testing.faults import FAULT_KINDS, FaultInjector
 
     base, options = split_query(url[len("faults+") :])
     rates = {k: parse_float(k, options.pop(k)) for k in FAULT_KINDS if k in options}

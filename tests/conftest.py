@@ -14,7 +14,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def real_kv_1k() -> torch.Tensor:
     """SmolLM2-135M K/V on 1024 tokens of CPython's pydoc topics: [30, 2, 1024, 3, 64] bf16."""
-    from vllm_kvcodec.smollm2 import real_kv
+    from vllm_kvcodec.tools.smollm2 import real_kv
 
     return real_kv(1024)
 

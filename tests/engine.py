@@ -34,7 +34,7 @@ def connector_config(store: str, codec: str = "rans", **extra: Any) -> dict[str,
 def engine(kv_transfer_config: dict[str, Any] | None = None, dtype: str = "bfloat16", prefix_caching: bool = True) -> Iterator[Any]:
     from vllm import LLM
 
-    from vllm_kvcodec.smollm2 import model_dir
+    from vllm_kvcodec.tools.smollm2 import model_dir
 
     llm = LLM(
         model=str(model_dir()), dtype=dtype, block_size=BLOCK, enforce_eager=True, max_model_len=2048,
@@ -65,7 +65,7 @@ def greedy(llm: Any, token_ids: list[int], max_tokens: int = 12, cache_salt: str
 
 
 def worker_connector() -> Any:
-    from vllm_kvcodec.connector import live_connectors
+    from vllm_kvcodec.connector.facade import live_connectors
 
     workers = [c for c in live_connectors() if c.worker is not None and c.worker.fetcher is not None]
     assert workers, "no worker-side KVCodecConnector alive"

@@ -4,7 +4,7 @@ Not collected by itself (the name does not start with ``test_``): the
 interpreter needs ``TRITON_INTERPRET=1`` before triton is first imported, so
 ``test_gpu_load.py`` runs this file in a child ``pytest`` with the variable
 set there only. Every result is compared bit for bit with the CPU path
-(:class:`~vllm_kvcodec.paged.PackedKVAdapter`, :class:`~vllm_kvcodec.fetcher.Fetcher`).
+(:class:`~vllm_kvcodec.paged.PackedKVAdapter`, :class:`~vllm_kvcodec.load.fetcher.Fetcher`).
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ import pytest
 import torch
 
 from storage import open_store
-from vllm_kvcodec.codec_choice import CodecChooser
-from vllm_kvcodec.fetcher import Fetcher
+from vllm_kvcodec.codecs.choice import CodecChooser
+from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.format import decode_chunk, encode_chunk
-from vllm_kvcodec.gpu import load_check as lc
-from vllm_kvcodec.gpu.cuda_fetcher import CudaFetcher
+from vllm_kvcodec.tools import gpu_load_check as lc
+from vllm_kvcodec.load.cuda_fetcher import CudaFetcher
 from vllm_kvcodec.gpu.launch import interpreted
 from vllm_kvcodec.gpu.scatter_triton import PackedPages
 from vllm_kvcodec.paged import Geometry, PackedKVAdapter, PagedLayoutError, SlotError
-from vllm_kvcodec.saver import Saver
-from vllm_kvcodec.stats import ConnectorStats
+from vllm_kvcodec.save.saver import Saver
+from vllm_kvcodec.connector.stats import ConnectorStats
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -1,4 +1,4 @@
-"""pytest fixtures for a real Mooncake pool on loopback (start/stop code: storage.mooncake_server).
+"""pytest fixtures for a real Mooncake pool on loopback (start/stop code: storage.testing.mooncake_server).
 
 The session pool (a master and two nodes of 256 MiB) is shared by every test
 that only reads and writes; ``mooncake_url`` hands each test its own key prefix
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from storage.mooncake_server import MooncakePool, start_mooncake_pool
+from storage.testing.mooncake_server import MooncakePool, start_mooncake_pool
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""pytest fixtures for a real local redis-server (the start/stop code lives in storage.redis_server).
+"""pytest fixtures for a real local redis-server (the start/stop code lives in storage.testing.redis_server).
 
 The session server is shared by every Redis test; ``redis_url`` hands each test
 an empty database (``redis_cluster_url`` the same for a one-node cluster). Tests that kill or freeze a server start their own with
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from storage.redis_server import RedisServer, find_redis_server, start_redis_server
+from storage.testing.redis_server import RedisServer, find_redis_server, start_redis_server
 
 
 def _require_redis_server() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_kvcodec import fetcher
-from vllm_kvcodec.bench import faults
+from vllm_kvcodec.tools.bench import faults
 from vllm_kvcodec.format import decode_chunk
 
 

@@ -11,7 +11,7 @@ import json
 
 
 def test_bench_memory_saves_and_loads_a_prefix_bit_exactly(tmp_path) -> None:
-    from vllm_kvcodec.bench import memory
+    from vllm_kvcodec.tools.bench import memory
 
     out = tmp_path / "memory.json"
     result = memory.run(out, tokens=4096, codecs=["raw"])

@@ -10,7 +10,7 @@ import pytest
 
 
 def kvcodec(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vllm_kvcodec.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "vllm_kvcodec.tools.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.engine
@@ -76,7 +76,7 @@ def _stored(tmp_path):
     """A file store holding two real chunks the way the connector stores them."""
     from storage import open_store
     from vllm_kvcodec.format import encode_chunk
-    from vllm_kvcodec.smollm2 import real_kv
+    from vllm_kvcodec.tools.smollm2 import real_kv
 
     url = f"file://{tmp_path / 'store'}"
     kv = real_kv(1024)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_kvcodec.codec_choice import CodecChooser
+from vllm_kvcodec.codecs.choice import CodecChooser
 
 
 def feed(chooser: CodecChooser, gbps: float) -> None:

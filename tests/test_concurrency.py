@@ -107,7 +107,7 @@ def _worker(p: int, store_urls: list[str], all_prompts: list[list[int]], barrier
     t0 = time.perf_counter()
     try:
         from storage import open_store
-        from vllm_kvcodec.smollm2 import real_kv
+        from vllm_kvcodec.tools.smollm2 import real_kv
 
         torch.set_num_threads(1)
         kv = real_kv(1024)
@@ -143,7 +143,7 @@ def test_eight_processes_share_one_redis_and_one_file_store(redis_url: str, tmp_
     urls = [redis_url, f"file://{tmp_path / 'store'}"]
     all_prompts = prompts()
     ctx = multiprocessing.get_context("forkserver")  # a clean single-threaded parent; imports paid once
-    ctx.set_forkserver_preload([__name__, "storage", "vllm_kvcodec.smollm2"])
+    ctx.set_forkserver_preload([__name__, "storage", "vllm_kvcodec.tools.smollm2"])
     barrier, results = ctx.Barrier(PROCESSES), ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(p, urls, all_prompts, barrier, results)) for p in range(PROCESSES)]
     for proc in procs:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvcodec.config import ConnectorConfig
-from vllm_kvcodec.config_reference import render
+from vllm_kvcodec.connector.config import ConnectorConfig
+from vllm_kvcodec.tools.config_reference import render
 from vllm_kvcodec.errors import ConfigError
 
 
@@ -54,4 +54,4 @@ def test_layer_groups_cover_every_layer_once() -> None:
 
 def test_configuration_reference_is_current() -> None:
     page = Path(__file__).parent.parent / "docs" / "configuration.md"
-    assert page.read_text() == render(), "run: python -m vllm_kvcodec.config_reference > docs/configuration.md"
+    assert page.read_text() == render(), "run: python -m vllm_kvcodec.tools.config_reference > docs/configuration.md"

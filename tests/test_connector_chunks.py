@@ -16,7 +16,7 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def text() -> list[int]:
-    from vllm_kvcodec.smollm2 import sample_token_ids
+    from vllm_kvcodec.tools.smollm2 import sample_token_ids
 
     return sample_token_ids(1400)
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from storage import open_store
-from storage.faults import FaultInjector, find_fault_injector
+from storage.testing.faults import FaultInjector, find_fault_injector
 from tests.engine import connector_config, engine, greedy, worker_connector
-from vllm_kvcodec.connector import live_connectors
+from vllm_kvcodec.connector.facade import live_connectors
 
 pytestmark = pytest.mark.engine
 
@@ -29,7 +29,7 @@ FAULTS = "seed=3&drop=0.1&truncate=0.1&corrupt=0.1&swap=0.15&delay=0.05&delay_s=
 
 @pytest.fixture(scope="module")
 def prompts() -> dict[tuple[str, int], list[int]]:
-    from vllm_kvcodec.smollm2 import sample_token_ids
+    from vllm_kvcodec.tools.smollm2 import sample_token_ids
 
     ids = sample_token_ids(2200)
     prefixes = {"a": ids[:PREFIX], "b": ids[500 : 500 + PREFIX], "c": ids[1000 : 1000 + PREFIX]}

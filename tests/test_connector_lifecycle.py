@@ -27,7 +27,7 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def ids() -> list[int]:
-    from vllm_kvcodec.smollm2 import sample_token_ids
+    from vllm_kvcodec.tools.smollm2 import sample_token_ids
 
     return sample_token_ids(900)
 
@@ -96,7 +96,7 @@ def test_corrupted_object_is_replaced_by_its_recompute(ids, recompute_tokens, tm
 
 
 def test_second_turn_of_a_chat_loads_every_chunk_of_the_first(tmp_path: Path) -> None:
-    from vllm_kvcodec.smollm2 import sample_token_ids
+    from vllm_kvcodec.tools.smollm2 import sample_token_ids
 
     text = sample_token_ids(1400)
     turn1 = text[:300]

@@ -11,14 +11,14 @@ import time
 import pytest
 
 from tests.engine import connector_config, engine, greedy, worker_connector
-from vllm_kvcodec.connector import live_connectors
+from vllm_kvcodec.connector.facade import live_connectors
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def ids() -> list[int]:
-    from vllm_kvcodec.smollm2 import sample_token_ids
+    from vllm_kvcodec.tools.smollm2 import sample_token_ids
 
     return sample_token_ids(900)
 
@@ -54,7 +54,7 @@ def test_corrupted_object_is_recomputed(ids, recompute_tokens, tmp_path) -> None
 
 
 def test_dead_store_means_recompute_not_hang(ids, recompute_tokens) -> None:
-    from storage.redis_server import start_redis_server
+    from storage.testing.redis_server import start_redis_server
 
     server = start_redis_server()
     try:

@@ -1,9 +1,9 @@
 """Fuzzed decoders: hostile inputs raise only the format's own errors, within an allocation bound.
 
-Property tests over the targets of :mod:`vllm_kvcodec.fuzzing` (seeded from
+Property tests over the targets of :mod:`vllm_kvcodec.tools.fuzzing` (seeded from
 real SmolLM2 chunks), with Hypothesis driving the mutators. The long run of
 the same targets (100k+ inputs, crash and hang watchdog) is
-``python -m vllm_kvcodec.bench fuzz``.
+``python -m vllm_kvcodec.tools.bench fuzz``.
 
 Allocation is measured with tracemalloc, which sees numpy's buffers and
 Python objects (checked below) but not numba-internal arrays or libav's
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from vllm_kvcodec.errors import ChunkFormatError
 from vllm_kvcodec.format import _FIXED, MAGIC, decode_chunk, encode_chunk
-from vllm_kvcodec.fuzzing import HOSTILE_CONFIGS, Case, Target, make_target, reseal, with_config
+from vllm_kvcodec.tools.fuzzing import HOSTILE_CONFIGS, Case, Target, make_target, reseal, with_config
 
 FAST_CODECS = ["codec-raw", "codec-zstd", "codec-splitzip", "codec-rans", "codec-rans-axis1"]
 VIDEO_CODECS = ["codec-video-hevc", "codec-video-h264", "codec-video-ffv1"]
@@ -147,7 +147,7 @@ def test_watchdog_aborts_an_input_that_hangs() -> None:
     import multiprocessing
     import time
 
-    from vllm_kvcodec.bench.fuzz import _watch
+    from vllm_kvcodec.tools.bench.fuzz import _watch
 
     ctx = multiprocessing.get_context("spawn")
     progress = ctx.RawValue("q", 0)  # input 0 started and never finishes
@@ -167,7 +167,7 @@ def test_bench_fuzz_writes_json(tmp_path) -> None:
 
     out = tmp_path / "fuzz.json"
     done = subprocess.run(
-        [sys.executable, "-m", "vllm_kvcodec.bench", "fuzz", "--inputs", "400", "--target", "chunk-resealed",
+        [sys.executable, "-m", "vllm_kvcodec.tools.bench", "fuzz", "--inputs", "400", "--target", "chunk-resealed",
          "--target", "codec-rans", "--output", str(out)],
         capture_output=True, text=True, timeout=300, check=False,
     )

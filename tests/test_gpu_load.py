@@ -103,14 +103,14 @@ def test_host_slots_are_int64_views_of_the_staging_buffer() -> None:
 
 
 def test_worker_loads_cpu_caches_with_the_thread_fetcher() -> None:
-    from vllm_kvcodec.fetcher import Fetcher
-    from vllm_kvcodec.worker import _fetcher_class
+    from vllm_kvcodec.load.fetcher import Fetcher
+    from vllm_kvcodec.connector.worker_half import _fetcher_class
 
     assert _fetcher_class([torch.zeros(1)]) is Fetcher
 
 
 def test_cpu_load_job_settle_is_free() -> None:
-    from vllm_kvcodec.load_job import LoadJob
+    from vllm_kvcodec.load.load_job import LoadJob
 
     job = LoadJob([[0, 1]], 0, ["r"])
     assert job.done.is_set()
@@ -135,7 +135,7 @@ cuda_kernels = pytest.mark.skipif(
 @cuda_kernels
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 def test_cuda_scatter_gather_match_the_adapter(real_chunks, order) -> None:
-    from vllm_kvcodec.gpu import load_check as lc
+    from vllm_kvcodec.tools import gpu_load_check as lc
     from vllm_kvcodec.gpu.scatter_triton import PackedPages
     from vllm_kvcodec.paged import Geometry, PackedKVAdapter
 
@@ -165,11 +165,11 @@ def _cuda_caches(layers, blocks, heads, block, head, order):
 @pytest.mark.gpu
 @cuda_kernels
 def test_cuda_fetcher_events_and_bit_exact_load(real_kv_1k) -> None:
-    from vllm_kvcodec.fetcher import Fetcher
-    from vllm_kvcodec.gpu import load_check as lc
-    from vllm_kvcodec.gpu.cuda_fetcher import CudaFetcher
+    from vllm_kvcodec.load.fetcher import Fetcher
+    from vllm_kvcodec.tools import gpu_load_check as lc
+    from vllm_kvcodec.load.cuda_fetcher import CudaFetcher
     from vllm_kvcodec.paged import PackedKVAdapter
-    from vllm_kvcodec.stats import ConnectorStats
+    from vllm_kvcodec.connector.stats import ConnectorStats
 
     sc = lc.build(real_kv_1k[:, :, :512].contiguous(), chunk_size=256, layers_per_object=10, block_size=16,
                   codecs=["splitzip", "rans"], first_token=37)
@@ -199,8 +199,8 @@ def test_cuda_fetcher_events_and_bit_exact_load(real_kv_1k) -> None:
 @pytest.mark.gpu
 @cuda_kernels
 def test_worker_picks_the_cuda_fetcher_for_cuda_caches() -> None:
-    from vllm_kvcodec.gpu.cuda_fetcher import CudaFetcher
-    from vllm_kvcodec.worker import _fetcher_class
+    from vllm_kvcodec.load.cuda_fetcher import CudaFetcher
+    from vllm_kvcodec.connector.worker_half import _fetcher_class
 
     assert _fetcher_class([torch.zeros(1, device="cuda")]) is CudaFetcher
 
@@ -209,13 +209,13 @@ def test_worker_picks_the_cuda_fetcher_for_cuda_caches() -> None:
 @cuda_kernels
 def test_cuda_save_gather_reaches_the_store_bit_exact(real_kv_1k) -> None:
     from storage import open_store
-    from vllm_kvcodec.codec_choice import CodecChooser
+    from vllm_kvcodec.codecs.choice import CodecChooser
     from vllm_kvcodec.format import decode_chunk
-    from vllm_kvcodec.gpu import load_check as lc
-    from vllm_kvcodec.gpu.cuda_fetcher import CudaFetcher
+    from vllm_kvcodec.tools import gpu_load_check as lc
+    from vllm_kvcodec.load.cuda_fetcher import CudaFetcher
     from vllm_kvcodec.paged import PackedKVAdapter
-    from vllm_kvcodec.saver import Saver
-    from vllm_kvcodec.stats import ConnectorStats
+    from vllm_kvcodec.save.saver import Saver
+    from vllm_kvcodec.connector.stats import ConnectorStats
 
     sc = lc.build(real_kv_1k[:, :, :512].contiguous(), chunk_size=256, layers_per_object=10, block_size=16,
                   codecs=["splitzip"])

@@ -4,7 +4,7 @@ The kernels run in Triton's interpreter on the CPU. The interpreter needs
 ``TRITON_INTERPRET=1`` before triton is first imported in a process (triton's
 own library functions are decorated at import), and other test modules may
 import triton (through vLLM) without it, so the cases run in ONE child process
-(``python -m vllm_kvcodec.gpu.selftest --device cpu``) with the variable set in
+(``python -m vllm_kvcodec.tools.gpu_selftest --device cpu``) with the variable set in
 the child's environment only: it never reaches this process or other modules.
 Each case is reported as its own test here. ``@pytest.mark.gpu`` runs the same
 cases compiled on CUDA where a GPU exists.
@@ -24,7 +24,7 @@ import torch
 
 from vllm_kvcodec.codecs.splitzip import SplitZipCodec
 from vllm_kvcodec.dtypes import DType
-from vllm_kvcodec.gpu import selftest, splitzip_ref
+from vllm_kvcodec.tools import gpu_selftest as selftest, splitzip_ref
 
 ROOT = Path(__file__).resolve().parents[1]
 _ENV_AT_IMPORT = os.environ.get("TRITON_INTERPRET")
@@ -54,7 +54,7 @@ def _run_selftest(device: str, data: Path, interpret: bool, timeout: float) -> d
         env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_kvcodec.gpu.selftest", "--device", device, "--data", str(data)],
+        [sys.executable, "-m", "vllm_kvcodec.tools.gpu_selftest", "--device", device, "--data", str(data)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
@@ -105,7 +105,7 @@ def test_nothing_set_in_this_process() -> None:
 def test_package_import_is_light() -> None:
     """Importing vllm_kvcodec.gpu (and nvcodec) pulls in neither triton nor PyNvVideoCodec."""
     code = (
-        "import sys, vllm_kvcodec.gpu, vllm_kvcodec.gpu.nvcodec, vllm_kvcodec.gpu.selftest;"
+        "import sys, vllm_kvcodec.gpu, vllm_kvcodec.gpu.nvcodec, vllm_kvcodec.tools.gpu_selftest;"
         "print(sorted(m for m in ('triton', 'PyNvVideoCodec') if m in sys.modules))"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT))

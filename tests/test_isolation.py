@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.engine import connector_config, engine, greedy, worker_connector
-from vllm_kvcodec.config import ConnectorConfig
+from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.identity import PLAIN, PromptIdentity, model_identity, weights_fingerprint
 from vllm_kvcodec.keys import Namespace, chunk_hashes
 
@@ -60,7 +60,7 @@ def test_media_changes_its_chunk_and_every_later_one_only() -> None:
 
 
 def test_weights_fingerprint_follows_content_not_path(tmp_path: Path) -> None:
-    from vllm_kvcodec.smollm2 import model_dir
+    from vllm_kvcodec.tools.smollm2 import model_dir
 
     src = model_dir()
     copy = tmp_path / "copy"
@@ -79,8 +79,8 @@ def test_weights_fingerprint_follows_content_not_path(tmp_path: Path) -> None:
 def _namespace(**engine_args) -> Namespace:
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_kvcodec.connector import build_namespace
-    from vllm_kvcodec.smollm2 import model_dir
+    from vllm_kvcodec.connector.facade import build_namespace
+    from vllm_kvcodec.tools.smollm2 import model_dir
 
     args = {"model": str(model_dir()), "dtype": "bfloat16", "block_size": 128, "enforce_eager": True, "max_model_len": 2048}
     extra = engine_args.pop("connector", {})
@@ -102,7 +102,7 @@ def test_real_engine_configs_get_separate_namespaces() -> None:
 
 @pytest.mark.engine
 def test_cache_salt_tenants_never_share_chunks(tmp_path: Path) -> None:
-    from vllm_kvcodec.smollm2 import sample_token_ids
+    from vllm_kvcodec.tools.smollm2 import sample_token_ids
 
     ids = sample_token_ids(1700)[1100:]  # text no other engine test of this store saw
     store = f"file://{tmp_path}/store"

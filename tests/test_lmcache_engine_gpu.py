@@ -37,7 +37,7 @@ RUN = textwrap.dedent(
     import gc, json, sys
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from vllm_kvcodec.smollm2 import model_dir, sample_token_ids
+    from vllm_kvcodec.tools.smollm2 import model_dir, sample_token_ids
 
     if __name__ == "__main__":
         prompt = sample_token_ids(int(sys.argv[1]))

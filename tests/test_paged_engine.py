@@ -169,7 +169,7 @@ def engine():
     }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    from vllm_kvcodec.smollm2 import model_dir
+    from vllm_kvcodec.tools.smollm2 import model_dir
 
     llm = vllm.LLM(
         model=str(model_dir()),
@@ -197,7 +197,7 @@ def test_paged_kv_of_a_real_engine(engine, monkeypatch):
     from vllm import SamplingParams
 
     import vllm._custom_ops as ops
-    from vllm_kvcodec.smollm2 import real_kv, sample_token_ids
+    from vllm_kvcodec.tools.smollm2 import real_kv, sample_token_ids
 
     t0 = time.perf_counter()
     ids = sample_token_ids(NUM_TOKENS)

@@ -374,7 +374,7 @@ def test_contract_details(tmp_path, store) -> None:
 
 def test_the_harness_catches_a_poisoned_local_hit(tmp_path, store, monkeypatch) -> None:
     """Without the eviction, the abort-before-recompute case reads KV that was never written."""
-    from vllm_kvcodec.scheduler import SchedulerHalf
+    from vllm_kvcodec.connector.scheduler_half import SchedulerHalf
 
     monkeypatch.setattr(SchedulerHalf, "_evict_from", lambda self, block_ids, first_token: None)
     with pytest.raises(Violation, match="wrong KV"):

@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 
-from storage import FaultInjector, StoreUnavailableError, StoreURLError, open_store
-from storage.faults import FAULT_KINDS, find_fault_injector
+from storage import StoreUnavailableError, StoreURLError, open_store
+from storage.testing.faults import FaultInjector
+from storage.testing.faults import FAULT_KINDS, find_fault_injector
 from storage.memory_store import MemoryStore
 from tests.adversarial import bits_view
 from vllm_kvcodec.errors import ChunkFormatError

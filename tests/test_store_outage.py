@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from storage import StoreUnavailableError, StoreURLError, open_store
-from storage.faults import find_fault_injector
+from storage.testing.faults import find_fault_injector
 from storage.outage import OutageGuard, StoreDownError
-from vllm_kvcodec.config import ConnectorConfig
+from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import StoreRequiredError
-from vllm_kvcodec.store_access import open_connector_store
+from vllm_kvcodec.connector.store_access import open_connector_store
 
 
 def closed_port() -> int:

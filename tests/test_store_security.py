@@ -17,7 +17,7 @@ import pytest
 from storage import StoreError, open_store
 from tests.redis_server import short_lived_redis_server
 from tests.test_stores import _make_tls_files
-from vllm_kvcodec.config import ConnectorConfig
+from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.format import decode_chunk, encode_chunk
 

@@ -21,7 +21,6 @@ import xxhash
 
 from storage import (
     InvalidKeyError,
-    LinkEmulator,
     Store,
     StoreError,
     StoreUnavailableError,
@@ -29,6 +28,7 @@ from storage import (
     open_store,
 )
 from storage.file_store import FileStore
+from storage.testing.link import LinkEmulator
 from storage.memory_store import MemoryStore
 from tests.redis_server import (  # noqa: F401 (fixtures used by name)
     redis_cluster_server,
@@ -456,7 +456,7 @@ def test_redis_prefixes_isolate_deployments(redis_url: str) -> None:
 
 @pytest.mark.redis
 def test_redis_unreachable_fails_fast() -> None:
-    from storage.redis_server import _free_port
+    from storage.testing.redis_server import _free_port
 
     port = _free_port()
     store = open_store(f"redis://127.0.0.1:{port}/0")

@@ -1,7 +1,7 @@
 """TTFT of a 4k-token shared prefix loaded through the connector, per codec and link speed.
 
 SmolLM2-135M in an in-process vLLM engine on the CPU; the store is the file
-store in a temporary directory behind :class:`storage.link.LinkEmulator`
+store in a temporary directory behind :class:`storage.testing.link.LinkEmulator`
 (``link+file://...?gbps=G&rtt_ms=R``) at 1, 10 and 100 Gbit/s. With ``store``
 (any store URL, e.g. ``mooncake://...`` or ``redis://...``) that store sits
 behind the link instead, each codec under a key prefix of its own; its objects
@@ -41,7 +41,7 @@ from typing import Any
 
 from storage.options import split_query, with_query
 
-from vllm_kvcodec.bench.report import console, machine, write_json
+from vllm_kvcodec.tools.bench.report import console, machine, write_json
 
 DEFAULT_CODECS = ("raw", "zstd", "splitzip", "rans", "auto")
 QUICK_CODECS = ("raw", "rans", "auto")
@@ -57,7 +57,7 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
 
 
 def _codecs_used(stats: dict[str, float], kind: str) -> str:
-    from vllm_kvcodec.demo import codec_names
+    from vllm_kvcodec.tools.demo import codec_names
 
     return codec_names(stats, kind)
 
@@ -82,10 +82,10 @@ def run(
     chunk_size: int = 256,
     store: str | None = None,
 ) -> dict[str, Any]:
-    from vllm_kvcodec.demo import BLOCK_SIZE, Engine, engine_env
+    from vllm_kvcodec.tools.demo import BLOCK_SIZE, Engine, engine_env
 
     engine_env()
-    from vllm_kvcodec.smollm2 import model_dir, sample_token_ids
+    from vllm_kvcodec.tools.smollm2 import model_dir, sample_token_ids
 
     started = time.perf_counter()
     if codecs is None:

@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from vllm_kvcodec.config import ConnectorConfig
+from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.identity import compute_identity, model_identity
 from vllm_kvcodec.keys import Namespace
-from vllm_kvcodec.metadata import KVCodecMetadata, KVCodecWorkerReport
+from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE
-from vllm_kvcodec.scheduler import SchedulerHalf
-from vllm_kvcodec.stats import KVCodecTransferStats, summarize
-from vllm_kvcodec.worker import WorkerHalf
+from vllm_kvcodec.connector.scheduler_half import SchedulerHalf
+from vllm_kvcodec.connector.stats import KVCodecTransferStats, summarize
+from vllm_kvcodec.connector.worker_half import WorkerHalf
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -14,7 +14,7 @@ import logging
 
 from storage import StoreError, open_store
 from storage.outage import OutageGuard
-from vllm_kvcodec.config import ConnectorConfig
+from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import StoreRequiredError
 
 logger = logging.getLogger("vllm_kvcodec")

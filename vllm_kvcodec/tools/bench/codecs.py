@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from rich.progress import Progress
 
-from vllm_kvcodec.bench.report import console, machine, table, write_json
+from vllm_kvcodec.tools.bench.report import console, machine, table, write_json
 from vllm_kvcodec.codecs import codec_ids, get_codec
 from vllm_kvcodec.format import decode_chunk, encode_chunk
 from vllm_kvcodec.malloc_tuning import reuse_large_buffers
@@ -65,7 +65,7 @@ def run(
     repeats: int = 3,
     codecs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    from vllm_kvcodec.smollm2 import real_kv
+    from vllm_kvcodec.tools.smollm2 import real_kv
 
     torch.set_num_threads(1)
     reuse_large_buffers()

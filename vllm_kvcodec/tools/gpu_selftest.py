@@ -4,12 +4,12 @@ Used by ``tests/test_gpu_splitzip.py`` (in a child process with
 ``TRITON_INTERPRET=1``, device ``cpu``; and on CUDA where a GPU exists) and by
 ``benchmarks/gpu_check.py`` (device ``cuda``). Every case compares against the
 CPU codec when it can be imported (it needs numba) and always against the
-plain-numpy reference :mod:`.splitzip_ref` (which the tests tie to the CPU
+plain-numpy reference :mod:`vllm_kvcodec.tools.splitzip_ref` (which the tests tie to the CPU
 codec byte for byte).
 
 Command line (prints JSON, one result per case)::
 
-    TRITON_INTERPRET=1 python -m vllm_kvcodec.gpu.selftest --device cpu [--data real.npz] [--case NAME ...]
+    TRITON_INTERPRET=1 python -m vllm_kvcodec.tools.gpu_selftest --device cpu [--data real.npz] [--case NAME ...]
 
 ``--data``: an ``.npz`` of uint16 arrays (bfloat16 bit patterns) added as
 datasets ``real:<key>``. Importing this module imports neither torch nor
@@ -87,7 +87,8 @@ class _Ctx:
     def __init__(self, device: str) -> None:
         import torch
 
-        from vllm_kvcodec.gpu import splitzip_ref, splitzip_triton
+        from vllm_kvcodec.gpu import splitzip_triton
+        from vllm_kvcodec.tools import splitzip_ref
 
         self.torch = torch
         self.g = splitzip_triton

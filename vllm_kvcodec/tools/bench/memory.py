@@ -13,12 +13,12 @@ phase's peak is ``ru_maxrss`` afterwards, minus the baseline.
 * save: the prefix is prefilled in steps of ``step_tokens`` (vLLM's
   ``max_num_batched_tokens``); per step every completed chunk is gathered
   out of paged memory into its own buffer (``save_kv_layer``) if it fits
-  under the saver's cap beside the step's others, then all of them are handed to the :class:`~vllm_kvcodec.saver.Saver`
+  under the saver's cap beside the step's others, then all of them are handed to the :class:`~vllm_kvcodec.save.saver.Saver`
   (``wait_for_save``), with no compute time between steps (the worst case
   for the queue), then flushed. Gathered buffers live until encoded; queued
   raw bytes are capped by ``max_pending_save_bytes``, beyond which saves are
   dropped (counted).
-* load: one :class:`~vllm_kvcodec.fetcher.Fetcher` job for the whole prefix
+* load: one :class:`~vllm_kvcodec.load.fetcher.Fetcher` job for the whole prefix
   (all chunks x all layer groups), then every token is compared bit-exactly
   with the source (after the peak is read).
 
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_kvcodec.bench.report import console, machine, table, write_json
+from vllm_kvcodec.tools.bench.report import console, machine, table, write_json
 
 SOURCE_TOKENS = 4096
 ROLL = 37
@@ -88,11 +88,11 @@ def _setup(tokens: int, store_url: str, codec: str) -> dict[str, Any]:
     import torch
 
     from storage import open_store
-    from vllm_kvcodec.config import ConnectorConfig
+    from vllm_kvcodec.connector.config import ConnectorConfig
     from vllm_kvcodec.keys import Namespace, ObjectAddresses, chunk_hashes
     from vllm_kvcodec.malloc_tuning import reuse_large_buffers
     from vllm_kvcodec.paged import CANONICAL_NAMESPACE, adapter_for
-    from vllm_kvcodec.smollm2 import real_kv
+    from vllm_kvcodec.tools.smollm2 import real_kv
 
     torch.set_num_threads(1)
     reuse_large_buffers()
@@ -128,10 +128,10 @@ def _chunk_slots(env: dict[str, Any], c: int) -> Any:
 
 # ---- phases (each in a fresh process) ----------------------------------------------------------------
 def _save_phase(env: dict[str, Any], codec: str, threads: int, max_pending: int, step_tokens: int) -> dict[str, Any]:
-    from vllm_kvcodec.codec_choice import CodecChooser
+    from vllm_kvcodec.codecs.choice import CodecChooser
     from vllm_kvcodec.format import decode_chunk, encode_chunk
-    from vllm_kvcodec.saver import Saver
-    from vllm_kvcodec.stats import ConnectorStats
+    from vllm_kvcodec.save.saver import Saver
+    from vllm_kvcodec.connector.stats import ConnectorStats
 
     _fill_cache(env)
     decode_chunk(encode_chunk(env["base"][:5, :, :CHUNK_TOKENS], codec))  # warm-up: numba kernels
@@ -173,10 +173,10 @@ def _gather_step(env: dict[str, Any], chunks: range, saver: Any) -> dict[int, An
 
 
 def _load_phase(env: dict[str, Any], threads: int) -> dict[str, Any]:
-    from vllm_kvcodec.fetcher import Fetcher
+    from vllm_kvcodec.load.fetcher import Fetcher
     from vllm_kvcodec.format import decode_chunk
-    from vllm_kvcodec.metadata import ChunkLoad, LoadSpec
-    from vllm_kvcodec.stats import ConnectorStats
+    from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
+    from vllm_kvcodec.connector.stats import ConnectorStats
 
     caches, adapter, addresses = env["caches"], env["adapter"], env["addresses"]
     decode_chunk(env["store"].get(addresses.key(env["hashes"][0], 0)))  # warm-up: numba kernels

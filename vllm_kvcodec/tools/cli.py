@@ -22,7 +22,7 @@ def bench_codecs(
     repeats: int = typer.Option(3, help="Timed passes per codec (best is reported)."),
 ) -> None:
     """Ratio and single-core encode/decode MB/s of every codec on real SmolLM2 KV."""
-    from vllm_kvcodec.bench import codecs
+    from vllm_kvcodec.tools.bench import codecs
 
     codecs.run(output, tokens=tokens, chunk_tokens=chunk_tokens, repeats=repeats)
 
@@ -37,7 +37,7 @@ def bench_stores(
     threads: Optional[list[int]] = typer.Option(None, "--threads", help="Thread count(s) (repeatable; default 1, 4)."),
 ) -> None:
     """put/get MB/s of the file, Redis and Mooncake stores for 1, 4 and 16 MiB objects, 1 and 4 threads."""
-    from vllm_kvcodec.bench import stores
+    from vllm_kvcodec.tools.bench import stores
 
     stores.run(output, redis_url=redis_url, mooncake_url=mooncake_url, threads=tuple(threads or stores.THREADS))
 
@@ -58,7 +58,7 @@ def bench_ttft(
     ),
 ) -> None:
     """TTFT of a 4k-token prefix loaded through the connector per codec at 1/10/100 Gbit/s vs recompute."""
-    from vllm_kvcodec.bench import ttft
+    from vllm_kvcodec.tools.bench import ttft
 
     ttft.run(output, codecs=codec or None, gbps=gbps or None, rtt_ms=rtt_ms, prefix_tokens=prefix_tokens,
              suffix_tokens=suffix_tokens, repeats=repeats, video=video, quick=quick, store=store)
@@ -74,7 +74,7 @@ def bench_fuzz(
     target: Optional[list[str]] = typer.Option(None, "--target", help="Only these targets (repeatable)."),
 ) -> None:
     """Fuzz decode_chunk and every codec decoder: outcomes, allocation, time, crashes and hangs."""
-    from vllm_kvcodec.bench import fuzz
+    from vllm_kvcodec.tools.bench import fuzz
 
     result = fuzz.run(output, inputs=inputs, seed=seed, timeout_s=timeout_s, video=video, targets=target or None)
     if not result["clean"]:
@@ -93,7 +93,7 @@ def bench_memory(
     load: bool = typer.Option(True, "--load/--save-only", help="Also measure loading the saved prefix."),
 ) -> None:
     """Peak RSS of saving and loading a 32k-token prefix through the real Saver and Fetcher, each in a fresh process."""
-    from vllm_kvcodec.bench import memory
+    from vllm_kvcodec.tools.bench import memory
 
     memory.run(output, tokens=tokens, codecs=codec or None, fetch_threads=fetch_threads,
                save_threads=save_threads, max_pending_save_bytes=max_pending_save_bytes, step_tokens=step_tokens, load=load)
@@ -113,7 +113,7 @@ def bench_faults(
     delay_s: float = typer.Option(0.4, help="Delay of a delayed read."),
 ) -> None:
     """Loads through the connector's fetch path behind a faulty store: exact, failed, and wrong (must be 0)."""
-    from vllm_kvcodec.bench import faults
+    from vllm_kvcodec.tools.bench import faults
 
     given = {"drop": drop, "truncate": truncate, "corrupt": corrupt, "delay": delay, "swap": swap}
     rates = {k: v for k, v in given.items() if v is not None}
@@ -128,8 +128,8 @@ def inspect(store: str = typer.Argument(..., help="Store URL, e.g. redis://host:
     from rich.progress import Progress
 
     from storage import StoreError, open_store
-    from vllm_kvcodec.bench.report import console, table
-    from vllm_kvcodec.store_tools import inspect_store
+    from vllm_kvcodec.tools.bench.report import console, table
+    from vllm_kvcodec.tools.store_tools import inspect_store
 
     try:
         with open_store(store) as s, Progress(console=console, transient=True) as bar:
@@ -157,8 +157,8 @@ def verify(
     from rich.progress import Progress
 
     from storage import StoreError, open_store
-    from vllm_kvcodec.bench.report import console
-    from vllm_kvcodec.store_tools import verify_store
+    from vllm_kvcodec.tools.bench.report import console
+    from vllm_kvcodec.tools.store_tools import verify_store
 
     try:
         with open_store(store) as s, Progress(console=console, transient=True) as bar:
@@ -184,7 +184,7 @@ def config(
     """Print a validated --kv-transfer-config JSON for `vllm serve`."""
     import json
 
-    from vllm_kvcodec.config import ConnectorConfig
+    from vllm_kvcodec.connector.config import ConnectorConfig
     from vllm_kvcodec.errors import ConfigError
 
     extra = {"chunk_size": chunk_size, "load_mode": load_mode}

@@ -20,11 +20,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from storage import Store
-from vllm_kvcodec.codec_choice import CodecChooser
+from vllm_kvcodec.codecs.choice import CodecChooser
 from vllm_kvcodec.format import encode_chunk
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.outcomes import SaveOutcome
-from vllm_kvcodec.stats import ConnectorStats
+from vllm_kvcodec.connector.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")
 DROP_LOG_INTERVAL_S = 10.0

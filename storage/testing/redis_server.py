@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from storage.processes import OwnedProcess
+from storage.testing.processes import OwnedProcess
 
 START_TIMEOUT_S = 10.0
 

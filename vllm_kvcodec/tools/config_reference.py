@@ -1,18 +1,18 @@
 """Render docs/configuration.md from the typed config, so the reference never drifts.
 
-``python -m vllm_kvcodec.config_reference > docs/configuration.md``; a test
+``python -m vllm_kvcodec.tools.config_reference > docs/configuration.md``; a test
 fails when the committed page differs from what this prints.
 """
 
 from __future__ import annotations
 
-from vllm_kvcodec.config import ConnectorConfig
+from vllm_kvcodec.connector.config import ConnectorConfig
 
 HEADER = """# Configuration reference
 
 `kv_connector_extra_config` of `KVCodecConnector`. Unknown keys and bad values
 stop the engine at start-up with a message naming the key. Generated from
-`vllm_kvcodec/config.py` by `python -m vllm_kvcodec.config_reference`.
+`vllm_kvcodec/connector/config.py` by `python -m vllm_kvcodec.tools.config_reference`.
 
 | key | type | default | meaning |
 |---|---|---|---|

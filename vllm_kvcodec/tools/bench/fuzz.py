@@ -1,6 +1,6 @@
 """The long fuzz run: many hostile inputs per decoder, each target in its own process.
 
-Targets and mutators are in :mod:`vllm_kvcodec.fuzzing`. Each target runs in
+Targets and mutators are in :mod:`vllm_kvcodec.tools.fuzzing`. Each target runs in
 a fresh spawned process, so a crash (a segfault in a numba kernel or libav)
 or a hang ends only that target and is reported with the input that caused
 it: inputs are rebuilt from ``(seed, target, index)``, and the parent is the
@@ -34,7 +34,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-from vllm_kvcodec.bench.report import console, machine, table, write_json
+from vllm_kvcodec.tools.bench.report import console, machine, table, write_json
 
 SEED_TOKENS = 256  # real_kv(256): cached beside the other real-KV tensors
 #: share of the inputs each target gets (sums to 100)
@@ -60,8 +60,8 @@ def build_case(target: Any, seed: int, index: int) -> Any:
 def _child(name: str, count: int, seed: int, video: bool, result_path: str, trace_path: str, progress: Any) -> None:
     trace = open(trace_path, "w")  # noqa: SIM115 - must outlive this frame for faulthandler
     faulthandler.enable(trace, all_threads=True)  # SIGSEGV/SIGABRT (the watchdog's) print the stack
-    from vllm_kvcodec.fuzzing import make_target
-    from vllm_kvcodec.smollm2 import real_kv
+    from vllm_kvcodec.tools.fuzzing import make_target
+    from vllm_kvcodec.tools.smollm2 import real_kv
 
     target = make_target(name, real_kv(SEED_TOKENS), video)
     _warm_up(target)
@@ -81,7 +81,7 @@ def _warm_up(target: Any) -> None:
 
 
 def _fuzz(target: Any, count: int, seed: int, findings_dir: Path, progress: Any) -> dict[str, Any]:
-    from vllm_kvcodec.fuzzing import is_format_error
+    from vllm_kvcodec.tools.fuzzing import is_format_error
 
     outcomes: collections.Counter[str] = collections.Counter()
     findings: list[dict[str, Any]] = []
@@ -201,7 +201,7 @@ def split_inputs(total: int, names: list[str]) -> dict[str, int]:
 
 def run(output: Path | None = None, inputs: int = 100_000, seed: int = 0, timeout_s: float = 30.0,
         video: bool = True, targets: list[str] | None = None) -> dict[str, Any]:
-    from vllm_kvcodec.fuzzing import ALLOC_FACTOR, ALLOC_SLACK, target_names
+    from vllm_kvcodec.tools.fuzzing import ALLOC_FACTOR, ALLOC_SLACK, target_names
 
     names = targets or target_names(video)
     counts = split_inputs(inputs, names)

@@ -2,7 +2,7 @@
 
 Shared by the property tests (``tests/test_fuzz.py``, which drive the
 mutators with a Hypothesis-controlled ``random.Random``) and the long run
-(``python -m vllm_kvcodec.bench fuzz``, which draws ``random.Random(seed, i)``
+(``python -m vllm_kvcodec.tools.bench fuzz``, which draws ``random.Random(seed, i)``
 per input so any input can be rebuilt from its index).
 
 Why more than random bytes: the XXH3 trailer rejects almost every random

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlencode
 
-from storage.processes import OwnedProcess
+from storage.testing.processes import OwnedProcess
 
 START_TIMEOUT_S = 20.0
 _PR_SET_PDEATHSIG = 1

@@ -23,20 +23,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from storage.options import redact_url
-from vllm_kvcodec.codec_choice import CodecChooser
-from vllm_kvcodec.config import ConnectorConfig
+from vllm_kvcodec.codecs.choice import CodecChooser
+from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.format import default_codec_for
-from vllm_kvcodec.fetcher import Fetcher
+from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.keys import Namespace, ObjectAddresses
-from vllm_kvcodec.load_job import LoadJob
+from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.malloc_tuning import reuse_large_buffers
-from vllm_kvcodec.metadata import KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, SaveOutcome, SaveSpec
+from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, SaveOutcome, SaveSpec
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, adapters_for, shared_kv_layers
-from vllm_kvcodec.saver import Saver
-from vllm_kvcodec.stats import ConnectorStats
-from vllm_kvcodec.store_access import open_connector_store
+from vllm_kvcodec.save.saver import Saver
+from vllm_kvcodec.connector.stats import ConnectorStats
+from vllm_kvcodec.connector.store_access import open_connector_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -269,9 +269,9 @@ class WorkerHalf:
 
 
 def _fetcher_class(caches: list[torch.Tensor]) -> type:
-    """KV on a CUDA device loads through streams and Triton kernels (gpu/cuda_fetcher.py); elsewhere through threads."""
+    """KV on a CUDA device loads through streams and Triton kernels (load/cuda_fetcher.py); elsewhere through threads."""
     if caches[0].is_cuda:
-        from vllm_kvcodec.gpu.cuda_fetcher import CudaFetcher
+        from vllm_kvcodec.load.cuda_fetcher import CudaFetcher
 
         return CudaFetcher
     return Fetcher

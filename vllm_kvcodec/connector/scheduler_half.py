@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 from storage import StoreError
 from storage.outage import StoreDownError
-from vllm_kvcodec.config import ConnectorConfig
+from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.identity import PromptIdentity, prompt_identity
 from vllm_kvcodec.keys import Namespace, extend_chunk_hashes, object_key
-from vllm_kvcodec.load_ledger import LoadLedger
-from vllm_kvcodec.metadata import ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec, SaveOutcome, SaveSpec
+from vllm_kvcodec.connector.load_ledger import LoadLedger
+from vllm_kvcodec.connector.metadata import ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec, SaveOutcome, SaveSpec
 from vllm_kvcodec.paged.slots import slots_for_tokens
-from vllm_kvcodec.save_claims import SaveClaims
-from vllm_kvcodec.stats import ConnectorStats
-from vllm_kvcodec.store_access import open_connector_store
+from vllm_kvcodec.connector.save_claims import SaveClaims
+from vllm_kvcodec.connector.stats import ConnectorStats
+from vllm_kvcodec.connector.store_access import open_connector_store
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager

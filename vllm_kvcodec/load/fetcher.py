@@ -20,12 +20,12 @@ import torch
 from storage import Store
 from vllm_kvcodec.format import decode_chunk, read_header
 from vllm_kvcodec.keys import ObjectAddresses
-from vllm_kvcodec.load_job import LoadJob
+from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PagedKVAdapter
 
 if TYPE_CHECKING:  # both import vLLM; the fetcher itself must not (the GPU check runs without it)
-    from vllm_kvcodec.metadata import ChunkLoad, LoadSpec
-    from vllm_kvcodec.stats import ConnectorStats
+    from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
+    from vllm_kvcodec.connector.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")
 

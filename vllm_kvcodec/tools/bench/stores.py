@@ -28,9 +28,9 @@ from rich.progress import Progress
 
 from storage import Store, open_store
 from storage.options import redact_url
-from storage.mooncake_server import MooncakeServerError, find_mooncake, start_mooncake_pool
-from storage.redis_server import find_redis_server, start_redis_server
-from vllm_kvcodec.bench.report import console, machine, table, write_json
+from storage.testing.mooncake_server import MooncakeServerError, find_mooncake, start_mooncake_pool
+from storage.testing.redis_server import find_redis_server, start_redis_server
+from vllm_kvcodec.tools.bench.report import console, machine, table, write_json
 
 MiB = 1 << 20
 SIZES_MIB = (1, 4, 16)

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from vllm_kvcodec.bench.report import console
+from vllm_kvcodec.tools.bench.report import console
 
 QUESTION_COLD = "\n\nQuestion: Which Python statement does the text above describe first? Answer:"
 QUESTION_WARM = "\n\nQuestion: Summarise the text above in one sentence. Answer:"
@@ -62,8 +62,8 @@ class Engine:
         with captured_stderr():
             from vllm import LLM
 
-            from vllm_kvcodec.connector import live_connectors
-        from vllm_kvcodec.smollm2 import model_dir
+            from vllm_kvcodec.connector.facade import live_connectors
+        from vllm_kvcodec.tools.smollm2 import model_dir
 
         transfer = None
         if store is not None:
@@ -171,7 +171,7 @@ def run(codec: str = "rans", tokens: int = 2048, store: str | None = None, max_n
     engine_env()
     from rich.table import Table
 
-    from vllm_kvcodec.smollm2 import model_dir, sample_token_ids
+    from vllm_kvcodec.tools.smollm2 import model_dir, sample_token_ids
 
     started = time.perf_counter()
     tmp = None

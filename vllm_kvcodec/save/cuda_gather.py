@@ -7,7 +7,7 @@ that layer into a device buffer ``[layers, 2, chunk, heads, head]`` (the Triton
 gather for packed layouts, the layer's adapter otherwise). ``submit`` (from
 ``wait_for_save``) enqueues one device-to-host copy per chunk into pinned
 memory and hands it to a small thread that waits for that copy and then
-queues the chunk on the :class:`~vllm_kvcodec.saver.Saver` (encode and put stay
+queues the chunk on the :class:`~vllm_kvcodec.save.saver.Saver` (encode and put stay
 as on the CPU). ``release`` makes the engine's stream wait for the gathers on
 the device, so vLLM cannot reuse those blocks before they are read: the engine
 thread never synchronises with the GPU.

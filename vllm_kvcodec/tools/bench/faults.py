@@ -1,11 +1,11 @@
 """Loads through a faulty store: every load bit-exact or reported failed, never silently wrong.
 
-Drives the connector's own load path (:class:`~vllm_kvcodec.fetcher.Fetcher`,
-:class:`~vllm_kvcodec.load_job.LoadJob`, the CPU_ATTN paged scatter) on real
+Drives the connector's own load path (:class:`~vllm_kvcodec.load.fetcher.Fetcher`,
+:class:`~vllm_kvcodec.load.load_job.LoadJob`, the CPU_ATTN paged scatter) on real
 SmolLM2 KV, without an engine, so a thousand faulty loads take a minute on two
 cores instead of hours. Chunks are saved through the real
-:class:`~vllm_kvcodec.saver.Saver` (key-bound, ``rans``) into a store behind
-:class:`storage.faults.FaultInjector`. Then, until ``faulty_loads`` loads have
+:class:`~vllm_kvcodec.save.saver.Saver` (key-bound, ``rans``) into a store behind
+:class:`storage.testing.faults.FaultInjector`. Then, until ``faulty_loads`` loads have
 met at least one fault, one chunk at a time is loaded into a few reused
 blocks of 30 paged layer caches that were first filled with a poison pattern;
 the harness waits layer by layer and cancels at the deadline, as the worker
@@ -36,16 +36,16 @@ from typing import Any
 import torch
 
 from storage import open_store
-from storage.faults import FAULT_KINDS, FaultInjector, find_fault_injector
-from vllm_kvcodec.bench.report import console, machine, table, write_json
-from vllm_kvcodec.codec_choice import CodecChooser
-from vllm_kvcodec.fetcher import Fetcher
+from storage.testing.faults import FAULT_KINDS, FaultInjector, find_fault_injector
+from vllm_kvcodec.tools.bench.report import console, machine, table, write_json
+from vllm_kvcodec.codecs.choice import CodecChooser
+from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.keys import Namespace, ObjectAddresses, chunk_hashes
-from vllm_kvcodec.load_job import LoadJob
-from vllm_kvcodec.metadata import ChunkLoad, LoadSpec
+from vllm_kvcodec.load.load_job import LoadJob
+from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, CpuAttnVecAdapter, Geometry
-from vllm_kvcodec.saver import Saver
-from vllm_kvcodec.stats import ConnectorStats
+from vllm_kvcodec.save.saver import Saver
+from vllm_kvcodec.connector.stats import ConnectorStats
 
 CHUNK = 128  # tokens per chunk = the block size, so one chunk is one block
 LAYERS_PER_OBJECT = 5  # 6 objects per chunk, as the connector's default grouping of 30 layers
@@ -66,7 +66,7 @@ def run(
     threads: int = 4,
 ) -> dict[str, Any]:
     """Load until ``faulty_loads`` loads met a fault; print a table, write JSON to ``output``."""
-    from vllm_kvcodec.smollm2 import real_kv
+    from vllm_kvcodec.tools.smollm2 import real_kv
 
     rates = {**DEFAULT_RATES, **(rates or {})}
     kv = real_kv(tokens)

@@ -1,7 +1,7 @@
 """The load path on a GPU: fetch on threads -> pinned staging -> H2D, decode, scatter on a side stream.
 
-Same contract as :class:`vllm_kvcodec.fetcher.Fetcher` (``submit`` returns a
-:class:`~vllm_kvcodec.load_job.LoadJob`; failed objects become failed blocks;
+Same contract as :class:`vllm_kvcodec.load.fetcher.Fetcher` (``submit`` returns a
+:class:`~vllm_kvcodec.load.load_job.LoadJob`; failed objects become failed blocks;
 deadlines and cancellation as there), so the worker half drives either one.
 Per object, on an I/O thread:
 
@@ -47,14 +47,14 @@ from vllm_kvcodec.gpu.scatter_triton import PackedPages, check_slots
 from vllm_kvcodec.gpu.side_stream import SideStream
 from vllm_kvcodec.gpu.staging import StagingPool, align8, host_slots
 from vllm_kvcodec.keys import ObjectAddresses
-from vllm_kvcodec.fetcher import Fetcher, LoadError
-from vllm_kvcodec.load_job import LoadJob
+from vllm_kvcodec.load.fetcher import Fetcher, LoadError
+from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PackedKVAdapter, PagedKVAdapter
 
 if TYPE_CHECKING:  # both import vLLM, which the GPU check machine does not have
-    from vllm_kvcodec.gpu.cuda_save import CudaSaveGather
-    from vllm_kvcodec.metadata import ChunkLoad
-    from vllm_kvcodec.stats import ConnectorStats
+    from vllm_kvcodec.save.cuda_gather import CudaSaveGather
+    from vllm_kvcodec.connector.metadata import ChunkLoad
+    from vllm_kvcodec.connector.stats import ConnectorStats
 
 FLAG_BYTES = 8  # two int32 device validation flags of a SplitZip decode
 
@@ -206,7 +206,7 @@ class CudaFetcher(Fetcher):
 
     def save_gather(self, saver: object) -> CudaSaveGather:
         """The save path's gather on the same side stream and pointer table."""
-        from vllm_kvcodec.gpu.cuda_save import CudaSaveGather
+        from vllm_kvcodec.save.cuda_gather import CudaSaveGather
 
         return CudaSaveGather(self.caches, self.adapters, self.side, self.pages, saver)
 

@@ -30,7 +30,7 @@ ORDERS = ("NHD", "HND")
 
 @dataclasses.dataclass
 class Chunk:
-    """Duck-types :class:`vllm_kvcodec.metadata.ChunkLoad` (which imports vLLM)."""
+    """Duck-types :class:`vllm_kvcodec.connector.metadata.ChunkLoad` (which imports vLLM)."""
 
     chunk_hash: str
     first_token: int
@@ -40,7 +40,7 @@ class Chunk:
 
 @dataclasses.dataclass
 class Spec:
-    """Duck-types :class:`vllm_kvcodec.metadata.LoadSpec`."""
+    """Duck-types :class:`vllm_kvcodec.connector.metadata.LoadSpec`."""
 
     req_id: str
     chunks: list[Chunk]
@@ -48,7 +48,7 @@ class Spec:
 
 
 class Counters:
-    """Duck-types :class:`vllm_kvcodec.stats.ConnectorStats` (which imports vLLM)."""
+    """Duck-types :class:`vllm_kvcodec.connector.stats.ConnectorStats` (which imports vLLM)."""
 
     def __init__(self) -> None:
         self.values: dict[str, float] = {}
