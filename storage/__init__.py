@@ -12,7 +12,7 @@ wrappers (``link+``, ``faults+``) and servers live in :mod:`storage.testing`.
 
 from storage.base import MAX_KEY_LENGTH, Store, validate_key
 from storage.errors import InvalidKeyError, StoreError, StoreUnavailableError, StoreURLError
-from storage.url import open_store
+from storage.registry import check_url, describe_schemes, open_store
 
 __all__ = [
     "MAX_KEY_LENGTH",
@@ -21,6 +21,8 @@ __all__ = [
     "StoreError",
     "StoreURLError",
     "StoreUnavailableError",
+    "check_url",
+    "describe_schemes",
     "open_store",
     "validate_key",
 ]

@@ -30,12 +30,30 @@ import threading
 from collections.abc import Iterator
 from typing import BinaryIO
 
+from urllib.parse import unquote, urlsplit
+
 from storage.base import Store
-from storage.errors import StoreError, StoreUnavailableError
+from storage.errors import StoreError, StoreUnavailableError, StoreURLError
 from storage.file_cap import SizeCap, object_files, stamp, unlink_quietly
+from storage.options import parse_bool, parse_size, reject_unknown, split_query
 
 _MAGIC = b"KVS1"
 _HEADER = struct.Struct("<4sH")  # magic, key length; then the key, then the value
+
+
+def from_url(url: str) -> "FileStore":
+    """``file:///abs/path[?max_bytes=10GiB&fsync=1]`` (also ``file:relative/path``)."""
+    base, options = split_query(url)
+    reject_unknown(options, {"max_bytes", "fsync"}, url)
+    parts = urlsplit(base)
+    if parts.netloc not in ("", "localhost"):
+        raise StoreURLError(f"file URLs name a local path (file:///abs/path), not host {parts.netloc!r}")
+    path = unquote(parts.path)
+    if not path:
+        raise StoreURLError(f"{url!r} names no directory")
+    max_bytes = parse_size("max_bytes", options["max_bytes"]) if "max_bytes" in options else None
+    fsync = parse_bool("fsync", options.get("fsync", "0"))
+    return FileStore(path, max_bytes=max_bytes, fsync=fsync)
 
 
 def object_name(key: str) -> str:

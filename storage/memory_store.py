@@ -11,10 +11,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
+from urllib.parse import unquote, urlsplit
+
 from storage.base import Store
+from storage.options import reject_unknown, split_query
 
 _SHARED: dict[str, tuple[dict[str, bytes], threading.Lock]] = {}
 _SHARED_LOCK = threading.Lock()
+
+
+def from_url(url: str) -> "MemoryStore":
+    """``memory://`` (private) or ``memory://name`` (shared within the process)."""
+    base, options = split_query(url)
+    reject_unknown(options, set(), url)
+    parts = urlsplit(base)
+    return MemoryStore(unquote(parts.netloc + parts.path))
 
 
 def _shared_map(name: str) -> tuple[dict[str, bytes], threading.Lock]:

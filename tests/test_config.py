@@ -25,7 +25,7 @@ def test_defaults_are_lossless_and_need_no_server() -> None:
     "extra,message",
     [
         ({"codec": "gzip"}, "unknown codec 'gzip'"),
-        ({"store": "s3://bucket"}, "unsupported store URL"),
+        ({"store": "s3://bucket"}, "unknown store scheme 's3'.*file:///path"),
         ({"chunk_size": 0}, "chunk_size"),
         ({"load_mode": "lazy"}, "load_mode"),
         ({"fetch_threads": 0}, "fetch_threads"),

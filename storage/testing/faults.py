@@ -50,7 +50,8 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from storage.base import Store
-from storage.errors import StoreUnavailableError
+from storage.errors import StoreUnavailableError, StoreURLError
+from storage.options import parse_bool, parse_float, parse_int, redact_url, split_query, with_query
 
 FAULT_KINDS = ("drop", "truncate", "corrupt", "delay", "swap")
 HEADER_BYTES = 64
@@ -228,3 +229,15 @@ def _faults_url(inner: str, seed: int, rates: dict[str, float], delay_s: float) 
     sep = "&" if "?" in inner else "?"
     options = "&".join(f"{k}={v:g}" for k, v in rates.items() if v)
     return f"faults+{inner}{sep}seed={seed}{'&' + options if options else ''}&delay_s={delay_s:g}"
+
+
+def from_url(url: str, open_inner: Callable[[str], Store]) -> FaultInjector:
+    """``faults+<store url>?seed=S&drop=P&truncate=P&corrupt=P&delay=P&delay_s=D&swap=P&down=0``."""
+    base, options = split_query(url[len("faults+") :])
+    rates = {k: parse_float(k, options.pop(k)) for k in FAULT_KINDS if k in options}
+    seed = parse_int("seed", options.pop("seed", "0"))
+    delay_s = parse_float("delay_s", options.pop("delay_s", "1"))
+    down = parse_bool("down", options.pop("down", "0"))
+    if any(p > 1 for p in rates.values()) or sum(rates.values()) > 1 + 1e-9:
+        raise StoreURLError(f"fault probabilities in {redact_url(url)} must each be <= 1 and sum to at most 1")
+    return FaultInjector(open_inner(with_query(base, options)), seed=seed, delay_s=delay_s, down=down, **rates)

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from storage.base import Store
+from storage.errors import StoreURLError
+from storage.options import parse_float, redact_url, split_query, with_query
 
 
 class LinkEmulator(Store):
@@ -103,3 +105,13 @@ class LinkEmulator(Store):
 def _link_url(inner: str, gbps: float, rtt_ms: float) -> str:
     sep = "&" if "?" in inner else "?"
     return f"link+{inner}{sep}gbps={gbps:g}&rtt_ms={rtt_ms:g}"
+
+
+def from_url(url: str, open_inner: Callable[[str], Store]) -> LinkEmulator:
+    """``link+<store url>?gbps=G[&rtt_ms=R]``: the link options are taken out, the rest opens the inner store."""
+    base, options = split_query(url[len("link+") :])
+    if "gbps" not in options:
+        raise StoreURLError(f"{redact_url(url)} needs gbps=<Gbit/s> (and optionally rtt_ms=<ms>)")
+    gbps = parse_float("gbps", options.pop("gbps"), minimum=1e-9)
+    rtt_ms = parse_float("rtt_ms", options.pop("rtt_ms", "0"))
+    return LinkEmulator(open_inner(with_query(base, options)), gbps=gbps, rtt_ms=rtt_ms)

@@ -11,7 +11,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from storage.options import redact_url
 from vllm_kvcodec.cache_dir import cache_dir
 from vllm_kvcodec.errors import ConfigError
 
@@ -26,7 +25,7 @@ class ConnectorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    store: str = Field(default_factory=default_store_url, description="Store URL: file:///path, redis://host:port/db, rediss://..., mooncake://master:port?..., memory://name.")
+    store: str = Field(default_factory=default_store_url, description="Store URL, one of the schemes of storage/registry.py: file:///path, memory://name, redis://host:6379/0, rediss://, redis+cluster://, mooncake://master:50051?..., and the wrappers link+<url>, faults+<url>.")
     codec: str | dict[str, Any] | None = Field(None, description="Codec id or config dict (raw, zstd, splitzip, rans, video), 'auto' to pick by measured link and codec speed, or null for the densest codec the model's dtype allows (rans; zstd for float16).")
     chunk_size: int = Field(256, gt=0, description="Tokens per stored chunk; a multiple of vLLM's block_size.")
     layers_per_object: int = Field(0, ge=0, description="Layers per stored object so loads stream layer group by layer group; 0 picks about 6 groups.")
@@ -48,10 +47,12 @@ class ConnectorConfig(BaseModel):
     @field_validator("store")
     @classmethod
     def _known_scheme(cls, url: str) -> str:
-        scheme = url.split("://", 1)[0] if "://" in url else ""
-        if scheme.split("+")[-1] not in {"file", "redis", "rediss", "memory", "cluster", "mooncake"} and not scheme.startswith(("link+", "redis+", "faults+")):
-            raise ValueError(f"unsupported store URL {redact_url(url)!r}: use file:///path, redis://host:port/db, rediss://..., mooncake://master:port or memory://name")
-        return url
+        from storage import StoreURLError, check_url
+
+        try:
+            return check_url(url)  # the store registry's schemes, and nothing else
+        except StoreURLError as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("codec")
     @classmethod

@@ -1,0 +1,114 @@
+"""``open_store(url)``: a table of URL schemes, each naming where its store is built (imported on first use).
+
+In the manner of fsspec's ``known_implementations``: a scheme maps to a
+``module:function`` that takes the URL and returns a :class:`~storage.base.Store`,
+so optional backends (redis-py, the Mooncake client) are imported only when a
+URL asks for them, and a missing one is a clear error naming its extra. A
+*wrapper* scheme (``link+``, ``faults+``) takes another store's URL after its
+``+`` and wraps that store. Configuration validation and every error message
+ask this table (:func:`check_url`, :func:`describe_schemes`), so the list of
+what is accepted lives in one place.
+
+Schemes:
+
+- ``file:///abs/path`` (also ``file:relative/path``): the embedded default;
+  options ``max_bytes`` (LRU size cap, e.g. ``10GiB``), ``fsync`` (bool).
+- ``memory://`` (private) or ``memory://name`` (shared within the process).
+- ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS),
+  ``redis+cluster://``, ``rediss+cluster://``; options in :mod:`storage.redis_store`.
+- ``mooncake://master_host:port?metadata=...&segment=...``: a Mooncake Store
+  pool; options in :mod:`storage.mooncake_options`.
+- ``link+<url>?gbps=G&rtt_ms=R``: the store behind an emulated network link
+  (:mod:`storage.testing.link`, for benchmarks).
+- ``faults+<url>?seed=S&drop=P&truncate=P&corrupt=P&delay=P&delay_s=D&swap=P&down=0``:
+  the store behind seeded fault injection (:mod:`storage.testing.faults`, for tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from collections.abc import Callable
+
+from storage.base import Store
+from storage.errors import StoreURLError
+from storage.options import redact_url
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    name: str
+    factory: str  # "module:function"; a wrapper's function also takes open_store
+    example: str
+    extra: str = ""  # the pip extra that brings the backend's library
+    wrapper: bool = False
+    needs: str = ""  # what else the backend's library needs, for the error when it cannot be imported
+
+
+SCHEMES: dict[str, Scheme] = {}
+
+
+def register_scheme(scheme: Scheme) -> None:
+    SCHEMES[scheme.name] = scheme
+
+
+for _s in (
+    Scheme("file", "storage.file_store:from_url", "file:///path"),
+    Scheme("memory", "storage.memory_store:from_url", "memory://name"),
+    Scheme("redis", "storage.redis_store:RedisStore", "redis://host:6379/0", "redis"),
+    Scheme("rediss", "storage.redis_store:RedisStore", "rediss://host:6380/0", "redis"),
+    Scheme("redis+cluster", "storage.redis_store:RedisStore", "redis+cluster://host:7000", "redis"),
+    Scheme("rediss+cluster", "storage.redis_store:RedisStore", "rediss+cluster://host:7000", "redis"),
+    Scheme("mooncake", "storage.mooncake_store:MooncakeStore", "mooncake://master:50051?metadata=...", "mooncake",
+           needs="Debian's libibverbs1, even for TCP"),
+    Scheme("link", "storage.testing.link:from_url", "link+<url>?gbps=10&rtt_ms=0.2", wrapper=True),
+    Scheme("faults", "storage.testing.faults:from_url", "faults+<url>?seed=1&drop=0.1", wrapper=True),
+):
+    register_scheme(_s)
+
+
+def describe_schemes() -> str:
+    """Every accepted URL form, for error messages and help texts."""
+    return ", ".join(s.example for s in SCHEMES.values())
+
+
+def scheme_of(url: str) -> Scheme:
+    """The scheme ``url`` names (for a wrapper, the wrapper); raises StoreURLError if it is not in the table."""
+    if not isinstance(url, str) or not _SCHEME.match(url):
+        raise StoreURLError(f"{url!r} is not a store URL; use one of: {describe_schemes()}")
+    name = url.split(":", 1)[0].lower()
+    for wrapper in (s for s in SCHEMES.values() if s.wrapper):
+        if name.startswith(wrapper.name + "+"):
+            return wrapper
+    scheme = SCHEMES.get(name)
+    if scheme is None or scheme.wrapper:
+        raise StoreURLError(f"unknown store scheme {name!r} in {redact_url(url)}; use one of: {describe_schemes()}")
+    return scheme
+
+
+def check_url(url: str) -> str:
+    """Validate the scheme of ``url`` (and of whatever a wrapper wraps) without opening anything."""
+    scheme = scheme_of(url)
+    if scheme.wrapper:
+        check_url(url[len(scheme.name) + 1 :])
+    return url
+
+
+def open_store(url: str) -> Store:
+    """Open the store ``url`` names; raises StoreURLError for a malformed URL or an unknown scheme."""
+    scheme = scheme_of(url)
+    factory = _factory(scheme, url)
+    return factory(url, open_store) if scheme.wrapper else factory(url)
+
+
+def _factory(scheme: Scheme, url: str) -> Callable[..., Store]:
+    module, _, name = scheme.factory.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        hint = f": pip install 'vllm-kvcodec[{scheme.extra}]'" if scheme.extra else ""
+        hint += f" (and {scheme.needs})" if scheme.needs else ""
+        raise StoreURLError(f"{redact_url(url)} needs a library that is not installed{hint} ({exc})") from None
