@@ -15,7 +15,7 @@ apart on loopback, so the choice is the one that moves each byte least):
   success for the second, which would break "overwrite replaces". Of two
   concurrent upserts of one key the later one wins and the earlier is refused
   (ILLEGAL_CLIENT): that put counts as done, overwritten at once. Objects a full
-  pool has no room for (NO_AVAILABLE_HANDLE) are retried for ~0.4 s while the
+  pool has no room for (NO_AVAILABLE_HANDLE) are retried for ~2 s while the
   master evicts.
 - ``get_many``/``get``: one ``batch_get_buffer`` of the distinct keys
   (``get_buffer`` for one): the client reads into its own registered buffer, the
@@ -70,7 +70,7 @@ OBJECT_NOT_FOUND = -704
 # as if this put had landed first. Not a failure.
 SUPERSEDED = -601
 NO_ROOM = -200  # NO_AVAILABLE_HANDLE: the pool is full until the master's eviction frees space
-_FULL_POOL_PAUSES_S = (0.02, 0.05, 0.1, 0.2)
+_FULL_POOL_PAUSES_S = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8)  # ~2 s: the master evicts every 10 ms, later on a busy host
 _CONNECT_PROBE_S = 1.0
 _UNREAD: Any = object()  # batch_get_buffer returned no buffer for this key
 
