@@ -16,7 +16,7 @@ def test_defaults_are_lossless_and_need_no_server() -> None:
     assert config.store.startswith("file://")
     assert config.codec is None and config.chunk_size == 256 and config.load_mode == "sync"
     from vllm_kvcodec.dtypes import DType
-    from vllm_kvcodec.format import default_codec_for
+    from vllm_kvcodec.codecs.policy import default_codec_for
 
     assert default_codec_for(DType.BFLOAT16) == "rans" and default_codec_for(DType.FLOAT16) == "zstd"
 

@@ -11,6 +11,7 @@ import xxhash
 from hypothesis import given, settings
 
 from tests.adversarial import bits_view
+from vllm_kvcodec.codecs.policy import DEFAULT_CODEC
 from vllm_kvcodec import format as fmt
 from vllm_kvcodec.errors import ChunkFormatError, UnsupportedDTypeError
 from vllm_kvcodec.format import decode_chunk, encode_chunk, read_header
@@ -41,7 +42,7 @@ def test_header_describes_the_chunk(small_kv) -> None:
 
 def test_default_codec_is_lossless(small_kv) -> None:
     blob = encode_chunk(small_kv)
-    assert read_header(blob).codec_id == fmt.DEFAULT_CODEC
+    assert read_header(blob).codec_id == DEFAULT_CODEC
     assert torch.equal(bits_view(decode_chunk(blob)), bits_view(small_kv))
 
 

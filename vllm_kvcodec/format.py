@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import xxhash
 
-from vllm_kvcodec.codecs import get_codec
+from vllm_kvcodec.codecs import get_codec, policy
 from vllm_kvcodec.codecs.base import Codec
 from vllm_kvcodec.dtypes import DType, bits_to_tensor, tensor_to_bits
 from vllm_kvcodec.errors import ChunkFormatError, ConfigError, KVCodecError
@@ -33,8 +33,6 @@ MAX_NDIM = 8
 MAX_CONFIG_BYTES = 4096
 # 2**31 elements (4 GiB of bf16) per chunk: far above any sane chunk, far below what breaks int math.
 MAX_ELEMENTS = 1 << 31
-DEFAULT_CODEC = "rans"  # the densest bit-exact codec; float16 falls back to FALLBACK_CODEC
-FALLBACK_CODEC = "zstd"
 
 _FIXED = struct.Struct("<4sHBBHHQ")  # magic, version, dtype, ndim, config_len, flags, payload_len
 _CHECKSUM = struct.Struct("<Q")
@@ -66,11 +64,6 @@ class ChunkHeader:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-def default_codec_for(dtype: DType) -> str:
-    """The best lossless codec that can represent ``dtype``."""
-    return DEFAULT_CODEC if get_codec(DEFAULT_CODEC).supports(dtype) else FALLBACK_CODEC
-
-
 def key_digest(key: str) -> int:
     """What a key-bound chunk stores of its key: XXH3-64 (seed 0) of the key's ASCII bytes."""
     return xxhash.xxh3_64_intdigest(key.encode("ascii"))
@@ -81,12 +74,12 @@ def encode_chunk(
 ) -> bytes:
     """Encode one KV chunk (any shape, bf16/fp16/fp32) into a self-describing blob.
 
-    ``codec=None`` picks :func:`default_codec_for` the tensor's dtype. ``key``
+    ``codec=None`` picks the codec policy's default for the tensor's dtype (:mod:`.codecs.policy`). ``key``
     binds the chunk to the store key it will be written under (see
     :func:`read_header`).
     """
     bits, dtype = tensor_to_bits(kv)
-    coder = get_codec(codec if codec is not None else default_codec_for(dtype), **params)
+    coder = policy.lossless_codec(get_codec(codec if codec is not None else policy.default_codec_for(dtype), **params))
     coder.check_dtype(dtype)
     _check_shape(tuple(bits.shape))
     return build_chunk(coder.encode(bits, dtype), dtype, tuple(bits.shape), coder.get_config(), key=key)
@@ -223,6 +216,6 @@ def _load_config(raw: memoryview) -> dict[str, Any]:
 
 
 __all__ = [
-    "ChunkFormatError", "ChunkHeader", "DEFAULT_CODEC", "KEY_BOUND", "KVCodecError", "MAGIC", "VERSION",
+    "ChunkFormatError", "ChunkHeader", "KEY_BOUND", "KVCodecError", "MAGIC", "VERSION",
     "build_chunk", "decode_chunk", "encode_chunk", "key_digest", "read_header", "verify_checksum",
 ]

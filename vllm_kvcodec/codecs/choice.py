@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from vllm_kvcodec.codecs import Codec, get_codec
+from vllm_kvcodec.codecs.policy import AUTO, AUTO_CANDIDATES
 from vllm_kvcodec.format import decode_chunk, encode_chunk
 
 logger = logging.getLogger("vllm_kvcodec")
 
-AUTO_CANDIDATES = ("raw", "splitzip", "zstd", "rans")
 MIN_SAMPLE_BYTES = 64 << 10
 
 
@@ -35,7 +35,7 @@ class CodecChooser:
         self, spec: str | dict[str, Any], candidates: tuple[str, ...] = AUTO_CANDIDATES,
         initial_gbps: float = 10.0, decoders: int = 1,
     ) -> None:
-        self.auto = spec == "auto"
+        self.auto = spec == AUTO
         self.decoders = max(1, decoders)  # threads that decode in parallel (at most the cores)
         self._measured = False
         self.fixed: Codec | None = None if self.auto else get_codec(spec)

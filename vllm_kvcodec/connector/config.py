@@ -57,14 +57,9 @@ class ConnectorConfig(BaseModel):
     @field_validator("codec")
     @classmethod
     def _known_codec(cls, codec: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if codec is None or codec == "auto":
-            return codec
-        from vllm_kvcodec.codecs import get_codec
+        from vllm_kvcodec.codecs import policy
 
-        built = get_codec(codec)  # raises ConfigError (a ValueError) naming the known codecs
-        if not built.lossless:
-            raise ValueError(f"codec {codec!r} is lossy; this connector only stores bit-exact KV")
-        return codec
+        return policy.check_spec(codec, allow_auto=True)  # ConfigError (a ValueError) names the known codecs
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":

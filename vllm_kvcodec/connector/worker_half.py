@@ -18,7 +18,7 @@ import os
 import re
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +27,7 @@ from vllm_kvcodec.codecs.choice import CodecChooser
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
-from vllm_kvcodec.format import default_codec_for
+from vllm_kvcodec.codecs import policy
 from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.keys import Namespace, ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
@@ -57,10 +57,8 @@ class WorkerHalf:
         self.vllm_config, self.config, self.namespace = vllm_config, config, namespace
         self.groups, self.tp_rank = groups, tp_rank
         self.stats = ConnectorStats()
-        codec = config.codec if config.codec is not None else default_codec_for(DType.parse(namespace.dtype))
-        self.chooser = CodecChooser(codec, decoders=min(config.fetch_threads, os.cpu_count() or 1))
-        if self.chooser.fixed is not None:
-            self.chooser.fixed.check_dtype(DType.parse(namespace.dtype))  # fail at start-up, not on every save
+        self.chooser = CodecChooser(_codec_spec(config.codec, DType.parse(namespace.dtype)),
+                                    decoders=min(config.fetch_threads, os.cpu_count() or 1))
         self.store = open_connector_store(config)
         self.fetcher: Fetcher | None = None
         self.saver: Saver | None = None
@@ -266,6 +264,13 @@ class WorkerHalf:
         if self.fetcher is not None:
             self.fetcher.shutdown()
         self.store.close()
+
+
+def _codec_spec(configured: Any, dtype: DType) -> Any:
+    """``auto``, or the codec the policy picks for the model's dtype (a named one that cannot hold it fails here, at start-up)."""
+    if configured == policy.AUTO:
+        return configured
+    return policy.codec_for(configured, dtype, unsupported="error")[0]
 
 
 def _fetcher_class(caches: list[torch.Tensor]) -> type:

@@ -34,7 +34,7 @@ from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from storage import StoreError, open_store
-from vllm_kvcodec.codecs import get_codec
+from vllm_kvcodec.codecs import get_codec, policy
 from vllm_kvcodec.codecs.base import Codec
 from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ChunkFormatError, ConfigError, KVCodecError
@@ -48,7 +48,7 @@ from vllm_kvcodec.lmcache_plugin.keys import (
     parse_descriptor,
     parse_store_key,
 )
-from vllm_kvcodec.lmcache_plugin.settings import FALLBACK_CODEC, PluginConfigError, PluginSettings
+from vllm_kvcodec.lmcache_plugin.settings import PluginConfigError, PluginSettings
 
 logger = init_logger(__name__)
 
@@ -161,19 +161,15 @@ class KVCodecRemoteConnector(RemoteConnector):
             if codec is not None:
                 return codec
             wire = DType.from_torch(dtype)  # UnsupportedDTypeError for fp8 and friends
-            spec = self.settings.codec
             try:
-                codec = get_codec(spec)
+                codec, fell_back = policy.codec_for(self.settings.codec, wire, unsupported="fallback")
             except ConfigError as exc:
                 raise KVCodecPluginConfigError(f"remote_storage_plugin.{self.settings.plugin_name}.codec: {exc}") from None
-            if not codec.lossless:
-                raise KVCodecPluginConfigError(f"codec {codec.codec_id!r} is lossy; the kvcodec plug-in stores bit-exact KV")
             name = wire.name.lower()
-            if not codec.supports(wire):
+            if fell_back:
                 log = logger.warning if self.settings.codec_explicit else logger.info
                 log("kvcodec: codec %r cannot hold %s bit-exactly; using %r for %s chunks",
-                    codec.codec_id, name, FALLBACK_CODEC, name)
-                codec = get_codec(FALLBACK_CODEC)
+                    get_codec(self.settings.codec).codec_id, name, codec.codec_id, name)
             elif at_init:
                 logger.info("kvcodec: %s chunks use codec %r", name, codec.codec_id)
             self._codecs[dtype] = codec

@@ -27,9 +27,9 @@ import dataclasses
 import os
 from typing import Any
 
+from vllm_kvcodec.codecs import policy
+
 PLUGIN_TYPE = "kvcodec"
-DEFAULT_CODEC = "rans"
-FALLBACK_CODEC = "zstd"
 _KNOWN = {"module_path", "class_name", "store", "codec", "threads", "namespace"}
 
 
@@ -41,7 +41,7 @@ class PluginConfigError(ValueError):
 class PluginSettings:
     plugin_name: str
     store: str
-    codec: str | dict[str, Any] = DEFAULT_CODEC
+    codec: str | dict[str, Any] = policy.DEFAULT_CODEC
     codec_explicit: bool = False
     threads: int = 4
     namespace: str = ""
@@ -66,10 +66,10 @@ class PluginSettings:
         codec = mine.get("codec")
         explicit = codec not in (None, "")
         if not explicit:
-            codec = DEFAULT_CODEC
+            codec = policy.DEFAULT_CODEC
         if not isinstance(codec, (str, dict)):
             raise PluginConfigError(f"'{prefix}codec' must be a codec id or a config dict, not {codec!r}")
-        if codec == "auto":
+        if codec == policy.AUTO:
             raise PluginConfigError(f"'{prefix}codec: auto' is a KVCodecConnector feature; name a codec here (e.g. rans)")
         threads_raw = mine.get("threads", min(4, os.cpu_count() or 1))
         try:

@@ -1,0 +1,74 @@
+"""Which codec stores a chunk: one policy that the connector, its config, the chunk format and the LMCache plug-in ask.
+
+- **Lossless only.** Wherever a codec is named (connector config, plug-in
+  config, ``encode_chunk``), a codec that is not bit-exact is refused; no lossy
+  codec can become a default by accident.
+- **The default** is the densest bit-exact codec, :data:`DEFAULT_CODEC`; for a
+  dtype it cannot hold (float16 for the exponent codecs) it is
+  :data:`FALLBACK_CODEC`, which holds any dtype.
+- **auto** (connector only) picks among :data:`AUTO_CANDIDATES` at run time,
+  from measured link and decode speeds (:mod:`.choice`).
+- **A named codec that cannot hold the dtype**: the connector, configured once
+  per deployment for one model, refuses to start; the LMCache plug-in, which
+  meets whatever dtypes LMCache hands it, falls back and logs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from vllm_kvcodec.codecs.base import Codec
+from vllm_kvcodec.codecs.registry import get_codec
+from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.errors import ConfigError
+
+DEFAULT_CODEC = "rans"
+FALLBACK_CODEC = "zstd"
+AUTO = "auto"
+AUTO_CANDIDATES = ("raw", "splitzip", "zstd", "rans")
+
+CodecSpec = str | dict[str, Any]
+
+
+class LossyCodecError(ConfigError):
+    """A lossy codec was named where only bit-exact KV may be stored."""
+
+
+def lossless_codec(spec: CodecSpec | Codec) -> Codec:
+    """The codec ``spec`` names; raises ConfigError for an unknown one, LossyCodecError for a lossy one."""
+    codec = get_codec(spec)
+    if not codec.lossless:
+        raise LossyCodecError(f"codec {codec.codec_id!r} is lossy; vllm-kvcodec only stores bit-exact KV")
+    return codec
+
+
+def check_spec(spec: CodecSpec | None, allow_auto: bool) -> CodecSpec | None:
+    """Validate a configured codec without a dtype yet (config time): known, lossless, ``auto`` where allowed."""
+    if spec is None or (spec == AUTO and allow_auto):
+        return spec
+    if spec == AUTO:
+        raise ConfigError("codec 'auto' chooses by the connector's measured link; name a codec here (e.g. rans)")
+    lossless_codec(spec)
+    return spec
+
+
+def default_codec_for(dtype: DType) -> str:
+    """The best lossless codec that can represent ``dtype``."""
+    return DEFAULT_CODEC if get_codec(DEFAULT_CODEC).supports(dtype) else FALLBACK_CODEC
+
+
+def codec_for(spec: CodecSpec | None, dtype: DType, unsupported: Literal["error", "fallback"]) -> tuple[Codec, bool]:
+    """The codec to store ``dtype`` chunks with, and whether it fell back from the one named.
+
+    ``spec=None`` is the default for the dtype. A named codec that cannot hold
+    ``dtype`` raises (``unsupported="error"``) or falls back to
+    :data:`FALLBACK_CODEC` (``"fallback"``).
+    """
+    if spec is None:
+        return get_codec(default_codec_for(dtype)), False
+    codec = lossless_codec(spec)
+    if codec.supports(dtype):
+        return codec, False
+    if unsupported == "error":
+        codec.check_dtype(dtype)  # raises UnsupportedDTypeError naming the dtypes it holds
+    return get_codec(FALLBACK_CODEC), True
