@@ -482,7 +482,16 @@ class _CollectingSaver:
     def __init__(self) -> None:
         self.got: dict = {}
 
-    def submit(self, chunk_hash: str, kv: torch.Tensor) -> bool:
+    def reserve(self, nbytes: int) -> bool:
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        pass
+
+    def report(self, outcome: object) -> None:
+        pass
+
+    def submit(self, chunk_hash: str, kv: torch.Tensor, req_id: str = "", reserved: bool = False) -> bool:
         self.got[chunk_hash] = kv.clone()
         return True
 
@@ -491,6 +500,7 @@ def sec_gpu_fetcher(d: dict) -> None:
     """Real KV chunks (splitzip and CPU codecs) in a memory store -> CudaFetcher -> packed caches -> gather -> compare."""
     from vllm_kvcodec.tools import gpu_load_check as lc
     from vllm_kvcodec.load.cuda_fetcher import CudaFetcher
+    from vllm_kvcodec.save.cuda_gather import CudaSaveGather
     from vllm_kvcodec.paged import PackedKVAdapter
 
     if DATASET is None:
@@ -535,7 +545,7 @@ def sec_gpu_fetcher(d: dict) -> None:
             }
             # gather back through the save path (side stream, pinned D2H) and compare with the stored chunks
             saver = _CollectingSaver()
-            save = fetcher.save_gather(saver)
+            save = CudaSaveGather(caches, fetcher.adapters, saver)
             loaded = [c for spec in sc.specs for c in spec.chunks if c.first_token == 0]
             lc.save_chunks(save, caches, loaded)
             save.shutdown()

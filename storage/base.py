@@ -83,6 +83,11 @@ class Store(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._url!r})"
 
+    @property
+    def is_down(self) -> bool:
+        """Known to be unreachable right now, without asking it (an outage guard knows; a plain store never claims it)."""
+        return False
+
     # -- public protocol -------------------------------------------------
 
     def get(self, key: str) -> bytes | None:

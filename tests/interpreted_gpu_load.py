@@ -25,7 +25,8 @@ from vllm_kvcodec.gpu.launch import interpreted
 from vllm_kvcodec.gpu.scatter_triton import PackedPages
 from vllm_kvcodec.paged import Geometry, PackedKVAdapter, PagedLayoutError, SlotError
 from vllm_kvcodec.save.saver import Saver
-from vllm_kvcodec.connector.stats import ConnectorStats
+from vllm_kvcodec.save.cuda_gather import CudaSaveGather
+from vllm_kvcodec.stats import ConnectorStats
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -264,7 +265,7 @@ def test_save_gather_hands_the_saver_what_the_cpu_gather_would(real_kv_1k) -> No
     stats = ConnectorStats()
     saver = Saver(store, sc.addresses, CodecChooser("splitzip"), 1, 1 << 30, stats)
     fetcher = CudaFetcher(sc.store, sc.addresses, caches, _adapters(sc), 1, ConnectorStats())
-    gather = fetcher.save_gather(saver)
+    gather = CudaSaveGather(caches, _adapters(sc), saver)
     chunks = [c for spec in sc.specs for c in spec.chunks]
     lc.save_chunks(gather, caches, chunks)
     assert saver.flush(60)

@@ -411,7 +411,7 @@ class Engine:
         self.flush()
         worker = self.worker.worker
         assert not worker._async_jobs and worker._sync_job is None
-        assert not worker._gathered and not worker._load_failures, "worker state left"
+        assert worker.save_gather._step is None and not worker._load_failures, "worker state left"
 
     def cached_block_ids(self) -> set[int]:
         """Blocks vLLM's prefix cache would hand out as a local hit."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kvcodec import fetcher
+from vllm_kvcodec.load import fetcher
 from vllm_kvcodec.tools.bench import faults
 from vllm_kvcodec.format import decode_chunk
 

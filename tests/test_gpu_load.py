@@ -169,7 +169,7 @@ def test_cuda_fetcher_events_and_bit_exact_load(real_kv_1k) -> None:
     from vllm_kvcodec.tools import gpu_load_check as lc
     from vllm_kvcodec.load.cuda_fetcher import CudaFetcher
     from vllm_kvcodec.paged import PackedKVAdapter
-    from vllm_kvcodec.connector.stats import ConnectorStats
+    from vllm_kvcodec.stats import ConnectorStats
 
     sc = lc.build(real_kv_1k[:, :, :512].contiguous(), chunk_size=256, layers_per_object=10, block_size=16,
                   codecs=["splitzip", "rans"], first_token=37)
@@ -214,8 +214,9 @@ def test_cuda_save_gather_reaches_the_store_bit_exact(real_kv_1k) -> None:
     from vllm_kvcodec.tools import gpu_load_check as lc
     from vllm_kvcodec.load.cuda_fetcher import CudaFetcher
     from vllm_kvcodec.paged import PackedKVAdapter
+    from vllm_kvcodec.save.cuda_gather import CudaSaveGather
     from vllm_kvcodec.save.saver import Saver
-    from vllm_kvcodec.connector.stats import ConnectorStats
+    from vllm_kvcodec.stats import ConnectorStats
 
     sc = lc.build(real_kv_1k[:, :, :512].contiguous(), chunk_size=256, layers_per_object=10, block_size=16,
                   codecs=["splitzip"])
@@ -228,7 +229,7 @@ def test_cuda_save_gather_reaches_the_store_bit_exact(real_kv_1k) -> None:
         job = fetcher.submit(sc.specs, 60)
         assert job.done.wait(60)
         job.settle()
-        gather = fetcher.save_gather(saver)
+        gather = CudaSaveGather(caches, adapters, saver)
         chunks = [c for spec in sc.specs for c in spec.chunks]
         lc.save_chunks(gather, caches, chunks)
         gather.shutdown()

@@ -29,7 +29,8 @@ from vllm_kvcodec.keys import Namespace
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE
 from vllm_kvcodec.connector.scheduler_half import SchedulerHalf
-from vllm_kvcodec.connector.stats import KVCodecTransferStats, summarize
+from vllm_kvcodec.connector.transfer_stats import KVCodecTransferStats
+from vllm_kvcodec.stats import summarize
 from vllm_kvcodec.connector.worker_half import WorkerHalf
 
 if TYPE_CHECKING:
@@ -160,7 +161,11 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def flush(self, timeout: float | None = 60.0) -> bool:
         """Wait for background saves (tests, benchmarks, the demo)."""
-        return self.worker is None or self.worker.saver is None or self.worker.saver.flush(timeout)
+        if self.worker is None or self.worker.saver is None:
+            return True
+        if self.worker.save_gather is not None:
+            self.worker.save_gather.flush()  # chunks still on their way to the saver (GPU hand-off)
+        return self.worker.saver.flush(timeout)
 
     def shutdown(self) -> None:
         for half in (self.worker, self.scheduler):

@@ -37,7 +37,7 @@ from vllm_kvcodec.connector.load_ledger import LoadLedger
 from vllm_kvcodec.connector.metadata import ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec, SaveOutcome, SaveSpec
 from vllm_kvcodec.paged.slots import slots_for_tokens
 from vllm_kvcodec.connector.save_claims import SaveClaims
-from vllm_kvcodec.connector.stats import ConnectorStats
+from vllm_kvcodec.stats import ConnectorStats
 from vllm_kvcodec.connector.store_access import open_connector_store
 
 if TYPE_CHECKING:

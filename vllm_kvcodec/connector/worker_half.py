@@ -34,8 +34,9 @@ from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.malloc_tuning import reuse_large_buffers
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, SaveOutcome, SaveSpec
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, adapters_for, shared_kv_layers
+from vllm_kvcodec.save.gather import SaveGather, save_gather_for
 from vllm_kvcodec.save.saver import Saver
-from vllm_kvcodec.connector.stats import ConnectorStats
+from vllm_kvcodec.stats import ConnectorStats
 from vllm_kvcodec.connector.store_access import open_connector_store
 
 if TYPE_CHECKING:
@@ -72,11 +73,7 @@ class WorkerHalf:
         self._save_outcomes: list[SaveOutcome] = []
         self._outcome_lock = threading.Lock()  # save outcomes arrive from the saver's threads
         self.recent_loads: collections.deque = collections.deque(maxlen=64)  # for inspection and tests
-        self._gathered: dict[int, torch.Tensor] = {}  # save index -> [layers, 2, chunk, heads, dim]
-        self._gathered_layers: dict[int, int] = {}
-        self._admitted: dict[int, bool] = {}  # this step's save index -> fits under the saver's cap
-        self._admitted_bytes = 0
-        self.gpu_save = None  # CudaSaveGather when the KV caches are on a CUDA device
+        self.save_gather: SaveGather | None = None
         reuse_large_buffers()
 
     # ---- set-up ---------------------------------------------------------------------
@@ -98,11 +95,9 @@ class WorkerHalf:
         addresses = ObjectAddresses(self.namespace, self.tp_rank, tuple(self.groups))
         self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered,
                                               self.config.fetch_threads, self.stats, self.chooser.observe_transfer)
-        self.saver = Saver(self.store, addresses, self.chooser,
-                           self.config.save_threads, self.config.max_pending_save_bytes, self.stats,
-                           store_down=lambda: self.store.is_down, report=self._save_settled)
-        if caches[0].is_cuda:
-            self.gpu_save = self.fetcher.save_gather(self.saver)
+        self.saver = Saver(self.store, addresses, self.chooser, self.config.save_threads,
+                           self.config.max_pending_save_bytes, self.stats, report=self._save_settled)
+        self.save_gather = save_gather_for(caches, ordered, self.saver)
         logger.info("kvcodec: %d KV layers in %d groups, layout %s, store %s, codec %s",
                     len(names), len(self.groups), ordered[0].layout_id, redact_url(self.config.store), self.chooser.fixed or "auto")
 
@@ -188,66 +183,21 @@ class WorkerHalf:
 
     # ---- save -----------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: KVCodecMetadata) -> None:
-        if not meta.saves:
+        if not meta.saves or self.save_gather is None:
             return
         layer = self._layer_of.get(layer_name)
         if layer is None or self.caches[layer].data_ptr() != kv_layer.data_ptr():
             return  # a layer sharing another's KV: saved through its target
-        for i, spec in enumerate(meta.saves):
-            if not self._admit_save(i, len(spec.slots)):
-                continue
-            if self.gpu_save is not None:
-                self.gpu_save.gather(i, layer, kv_layer, spec.slots)
-            else:
-                buf = self._gathered.get(i)
-                if buf is None:
-                    buf = self._gathered[i] = self._new_chunk_buffer(len(spec.slots))
-                self.adapters[layer].gather(kv_layer, torch.tensor(spec.slots, dtype=torch.int64), out=buf[layer], check=False)
-            self._gathered_layers[i] = self._gathered_layers.get(i, 0) + 1
-
-    def _admit_save(self, index: int, tokens: int) -> bool:
-        """Gather a chunk only if it fits under the saver's byte cap beside what this step already gathered.
-
-        Without this a long prefill step would gather all its chunks first and
-        only then meet the cap: memory would grow with the step, not the cap.
-        """
-        admitted = self._admitted.get(index)
-        if admitted is None:
-            a = self.adapters[0]
-            nbytes = len(self.caches) * 2 * tokens * a.num_kv_heads * a.head_size * a.dtype.itemsize
-            admitted = self.saver is not None and self.saver.has_room(self._admitted_bytes + nbytes)
-            if admitted:
-                self._admitted_bytes += nbytes
-            elif self.saver is not None:
-                self.saver.drop("before gathering", waiting=self._admitted_bytes)
-            self._admitted[index] = admitted
-        return admitted
-
-    def _new_chunk_buffer(self, tokens: int) -> torch.Tensor:
-        a = self.adapters[0]
-        return torch.empty((len(self.caches), 2, tokens, a.num_kv_heads, a.head_size), dtype=a.dtype)
+        self.save_gather.gather_layer(layer, kv_layer, meta.saves)
 
     def wait_for_save(self, meta: KVCodecMetadata | None) -> None:
         self._finish_sync_load()  # a save of this step is only good if this step's loads were
-        if meta is None or self.saver is None:
+        if meta is None or not meta.saves or self.save_gather is None:
             return
-        for i, spec in enumerate(meta.saves):
-            complete = self._gathered_layers.get(i, 0) == len(self.caches)
-            if complete and self._computed_over_good_kv(spec):
-                if self.gpu_save is not None:
-                    self.gpu_save.submit(i, spec.chunk_hash, spec.req_id)
-                else:
-                    self.saver.submit(spec.chunk_hash, self._gathered[i], spec.req_id)
-                continue
-            if i in self._gathered_layers and not complete:
+        for spec, reason in self.save_gather.end_step(meta.saves, self._computed_over_good_kv):
+            if reason == "incomplete":
                 self.stats.add(saves_incomplete=1)
             self._save_settled(SaveOutcome(spec.req_id, spec.chunk_hash, landed=False))  # planned again
-        if self.gpu_save is not None:
-            self.gpu_save.release()
-        self._gathered.clear()
-        self._gathered_layers.clear()
-        self._admitted.clear()
-        self._admitted_bytes = 0
 
     def _computed_over_good_kv(self, spec: SaveSpec) -> bool:
         """False when a load of the request failed after the plan was made: the chunk may rest on missing KV."""
@@ -257,8 +207,8 @@ class WorkerHalf:
         return True
 
     def shutdown(self) -> None:
-        if self.gpu_save is not None:
-            self.gpu_save.shutdown()
+        if self.save_gather is not None:
+            self.save_gather.shutdown()
         if self.saver is not None:
             self.saver.shutdown()
         if self.fetcher is not None:

@@ -34,6 +34,7 @@ has no device synchronisation.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -201,4 +202,16 @@ class PackedPages:
         return layers
 
 
-__all__ = ["PackedPages", "check_slots"]
+def packed_pages_for(caches: Sequence[torch.Tensor], adapters: Sequence[Any]) -> "PackedPages | None":
+    """One pointer table over all layers when they are packed K‖V with one layout; else None (adapters scatter)."""
+    from vllm_kvcodec.paged import PackedKVAdapter
+
+    if not all(type(a) is PackedKVAdapter for a in adapters):
+        return None
+    first = caches[0]
+    if first.stride(3) != 1 or any((c.shape, c.stride(), c.dtype) != (first.shape, first.stride(), first.dtype) for c in caches):
+        return None
+    return PackedPages(caches, adapters[0].head_size)
+
+
+__all__ = ["packed_pages_for", "PackedPages", "check_slots"]

@@ -43,18 +43,17 @@ from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.format import ChunkHeader, decode_chunk, read_header
 from vllm_kvcodec.gpu.launch import can_run_on
-from vllm_kvcodec.gpu.scatter_triton import PackedPages, check_slots
+from vllm_kvcodec.gpu.scatter_triton import check_slots, packed_pages_for
 from vllm_kvcodec.gpu.side_stream import SideStream
 from vllm_kvcodec.gpu.staging import StagingPool, align8, host_slots
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.load.fetcher import Fetcher, LoadError
 from vllm_kvcodec.load.load_job import LoadJob
-from vllm_kvcodec.paged import PackedKVAdapter, PagedKVAdapter
+from vllm_kvcodec.paged import PagedKVAdapter
 
 if TYPE_CHECKING:  # both import vLLM, which the GPU check machine does not have
-    from vllm_kvcodec.save.cuda_gather import CudaSaveGather
     from vllm_kvcodec.connector.metadata import ChunkLoad
-    from vllm_kvcodec.connector.stats import ConnectorStats
+    from vllm_kvcodec.stats import ConnectorStats
 
 FLAG_BYTES = 8  # two int32 device validation flags of a SplitZip decode
 
@@ -117,7 +116,7 @@ class CudaFetcher(Fetcher):
             raise ConfigError(f"the GPU fetcher cannot run Triton kernels on {self.device} in this process")
         super().__init__(store, addresses, caches, adapters, threads, stats, observe_transfer)
         self.side = SideStream(self.device)
-        self.pages = _packed_pages(caches, adapters)
+        self.pages = packed_pages_for(caches, adapters)
         self.num_slots = adapters[0].num_slots(caches[0])
         self.staging = StagingPool(threads, pin=self.device.type == "cuda")
 
@@ -204,12 +203,6 @@ class CudaFetcher(Fetcher):
         if header.shape != expected or header.dtype.torch_dtype != a.dtype:
             raise LoadError(f"stored object holds {header.shape} {header.dtype.name.lower()}, expected {expected} {a.dtype}")
 
-    def save_gather(self, saver: object) -> CudaSaveGather:
-        """The save path's gather on the same side stream and pointer table."""
-        from vllm_kvcodec.save.cuda_gather import CudaSaveGather
-
-        return CudaSaveGather(self.caches, self.adapters, self.side, self.pages, saver)
-
 
 
 def _on_device(header: ChunkHeader) -> bool:
@@ -224,16 +217,6 @@ def _copy_into(dst: torch.Tensor, src: memoryview | torch.Tensor) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: it is only read
         dst.copy_(torch.frombuffer(src, dtype=torch.uint8))
-
-
-def _packed_pages(caches: list[torch.Tensor], adapters: list[PagedKVAdapter]) -> PackedPages | None:
-    """One pointer table over all layers when they are packed K‖V with one layout; else None (adapters scatter)."""
-    if not all(type(a) is PackedKVAdapter for a in adapters):
-        return None
-    first = caches[0]
-    if first.stride(3) != 1 or any((c.shape, c.stride(), c.dtype) != (first.shape, first.stride(), first.dtype) for c in caches):
-        return None
-    return PackedPages(caches, adapters[0].head_size)
 
 
 __all__ = ["CudaFetcher", "CudaLoadJob"]

@@ -25,7 +25,7 @@ from vllm_kvcodec.paged import PagedKVAdapter
 
 if TYPE_CHECKING:  # both import vLLM; the fetcher itself must not (the GPU check runs without it)
     from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
-    from vllm_kvcodec.connector.stats import ConnectorStats
+    from vllm_kvcodec.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")
 

@@ -1,16 +1,16 @@
-"""The save path's gather on a GPU: paged KV -> device chunk buffer -> pinned host memory -> the Saver.
+"""The save gather on a GPU: paged KV -> device chunk buffer (side stream) -> pinned host memory -> the Saver.
 
 ``save_kv_layer`` runs inside the forward pass, on the engine's stream, right
-after the layer wrote its KV. Here the side stream first waits for that
-stream (so it reads the layer's fresh KV), then gathers the chunk's slots of
-that layer into a device buffer ``[layers, 2, chunk, heads, head]`` (the Triton
-gather for packed layouts, the layer's adapter otherwise). ``submit`` (from
-``wait_for_save``) enqueues one device-to-host copy per chunk into pinned
-memory and hands it to a small thread that waits for that copy and then
-queues the chunk on the :class:`~vllm_kvcodec.save.saver.Saver` (encode and put stay
-as on the CPU). ``release`` makes the engine's stream wait for the gathers on
-the device, so vLLM cannot reuse those blocks before they are read: the engine
-thread never synchronises with the GPU.
+after the layer wrote its KV. Here the side stream first waits for that stream
+(so it reads the layer's fresh KV), then gathers the chunk's slots of that
+layer into a device buffer ``[layers, 2, chunk, heads, head]`` (the Triton
+gather through one pointer table for packed layouts, the layer's page layout
+otherwise). At the end of the step each complete chunk gets one device-to-host
+copy into pinned memory, and a small thread hands it to the Saver once the copy
+has landed (encode and put stay as on the CPU). The engine's stream then waits
+for the gathers *on the device*, so vLLM cannot reuse those blocks before they
+are read: the engine thread never synchronises with the GPU. Budget, admission
+and the end-of-step rules are :class:`~vllm_kvcodec.save.gather.SaveGather`'s.
 """
 
 from __future__ import annotations
@@ -21,25 +21,26 @@ from typing import Any
 
 import torch
 
-from vllm_kvcodec.gpu.scatter_triton import PackedPages, check_slots
+from vllm_kvcodec.gpu.scatter_triton import check_slots, packed_pages_for
 from vllm_kvcodec.gpu.side_stream import SideStream
 from vllm_kvcodec.outcomes import SaveOutcome
 from vllm_kvcodec.paged import PagedKVAdapter
+from vllm_kvcodec.save.gather import SaveGather, SaveSpecLike
 
 logger = logging.getLogger("vllm_kvcodec")
 
 
-class CudaSaveGather:
-    def __init__(self, caches: list[torch.Tensor], adapters: list[PagedKVAdapter], side: SideStream,
-                 pages: PackedPages | None, saver: Any) -> None:
-        self.caches, self.adapters, self.side, self.pages, self.saver = caches, adapters, side, pages, saver
+class CudaSaveGather(SaveGather):
+    def __init__(self, caches: list[torch.Tensor], adapters: list[PagedKVAdapter], saver: Any) -> None:
+        super().__init__(caches, adapters, saver)
+        self.side = SideStream(caches[0].device)
+        self.pages = packed_pages_for(caches, adapters)
         self.num_slots = adapters[0].num_slots(caches[0])
         self._buffers: dict[int, torch.Tensor] = {}
         self._slots: dict[int, torch.Tensor] = {}
         self._handoff = ThreadPoolExecutor(1, thread_name_prefix="kvcodec-d2h")
 
-    def gather(self, index: int, layer: int, kv_layer: torch.Tensor, slots: list[int]) -> None:
-        """Copy ``slots`` of one layer into save ``index``'s device buffer, on the side stream."""
+    def _copy(self, index: int, layer: int, kv_layer: torch.Tensor, slots: list[int]) -> None:
         a = self.adapters[layer]
         self.side.side_waits_for_compute()
         with self.side.active():
@@ -54,32 +55,32 @@ class CudaSaveGather:
             else:
                 a.gather(kv_layer, dev_slots, out=buf[layer], check=False)
 
-    def submit(self, index: int, chunk_hash: str, req_id: str = "") -> None:
-        """One D2H copy of save ``index`` into pinned memory; the Saver gets it once the copy has landed."""
+    def _hand_over(self, index: int, spec: SaveSpecLike, nbytes: int) -> None:
+        """One D2H copy into pinned memory; the Saver gets the chunk once the copy has landed."""
         buf = self._buffers.pop(index)
         self._slots.pop(index, None)
         with self.side.active():
             host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=self.side.cuda)
             host.copy_(buf, non_blocking=True)
             copied = self.side.record()
-        self._handoff.submit(self._hand_over, chunk_hash, host, copied, req_id)
+        self._handoff.submit(self._to_saver, spec, host, copied, nbytes)
 
-    def _hand_over(self, chunk_hash: str, host: torch.Tensor, copied: torch.cuda.Event | None, req_id: str) -> None:
+    def _to_saver(self, spec: SaveSpecLike, host: torch.Tensor, copied: torch.cuda.Event | None, nbytes: int) -> None:
         try:
             self.side.host_wait(copied)
-            self.saver.submit(chunk_hash, host, req_id)
+            self.saver.submit(spec.chunk_hash, host, spec.req_id, reserved=True)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an engine error
-            logger.warning("kvcodec: handing chunk %s to the saver failed: %s", chunk_hash[:12], exc)
-            self.saver.report(SaveOutcome(req_id, chunk_hash, landed=False))
+            logger.warning("kvcodec: handing chunk %s to the saver failed: %s", spec.chunk_hash[:12], exc)
+            self.saver.unreserve(nbytes)
+            self.saver.report(SaveOutcome(spec.req_id, spec.chunk_hash, landed=False))
 
-    def release(self) -> None:
+    def _finish_step(self) -> None:
         """Drop unsubmitted buffers; the engine's stream waits (on the device) for every gather so far."""
         self._buffers.clear()
         self._slots.clear()
         self.side.compute_waits(self.side.record())
 
     def flush(self) -> None:
-        """Wait until every submitted chunk is on the Saver's queue (tests, shutdown)."""
         self._handoff.submit(lambda: None).result()
 
     def shutdown(self) -> None:

@@ -24,7 +24,7 @@ from vllm_kvcodec.codecs.choice import CodecChooser
 from vllm_kvcodec.format import encode_chunk
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.outcomes import SaveOutcome
-from vllm_kvcodec.connector.stats import ConnectorStats
+from vllm_kvcodec.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")
 DROP_LOG_INTERVAL_S = 10.0
@@ -39,12 +39,11 @@ class Saver:
         threads: int,
         max_pending_bytes: int,
         stats: ConnectorStats,
-        store_down: Callable[[], bool] = lambda: False,
         report: Callable[[SaveOutcome], None] = lambda outcome: None,
     ) -> None:
         self.store, self.addresses, self.groups = store, addresses, addresses.groups
         self.chooser, self.stats, self.max_pending = chooser, stats, max_pending_bytes
-        self.store_down, self.report = store_down, report
+        self.report = report
         self._dropping_for_outage = False
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-save")
         self._lock = threading.Lock()
@@ -53,41 +52,57 @@ class Saver:
         self._last_drop_log = -DROP_LOG_INTERVAL_S
         self._drops_unlogged = 0
 
-    def submit(self, chunk_hash: str, kv: torch.Tensor, req_id: str = "") -> bool:
-        """Queue ``kv`` ``[layers, 2, chunk, heads, dim]`` for encoding and storing."""
+    def reserve(self, nbytes: int) -> bool:
+        """Take ``nbytes`` of the budget for a chunk about to be gathered; False (counted) if they do not fit.
+
+        Reserving before the copy, not at submit, keeps a long prefill step from
+        gathering more than the budget: memory follows the cap, not the step.
+        """
+        with self._lock:
+            if self._pending + nbytes > self.max_pending:
+                self._drop("before gathering")
+                return False
+            self._pending += nbytes
+            return True
+
+    def unreserve(self, nbytes: int) -> None:
+        """Give back a reservation whose chunk will not be submitted."""
+        with self._lock:
+            self._pending -= nbytes
+
+    def submit(self, chunk_hash: str, kv: torch.Tensor, req_id: str = "", reserved: bool = False) -> bool:
+        """Queue ``kv`` ``[layers, 2, chunk, heads, dim]`` for encoding and storing (its bytes reserved, or not yet)."""
         nbytes = kv.numel() * kv.element_size()
         if self._store_is_down():
+            if reserved:
+                self.unreserve(nbytes)
             self.report(SaveOutcome(req_id, chunk_hash, landed=False))
             return False
         with self._lock:
-            if self._pending + nbytes > self.max_pending:
-                self.drop("at submit")
+            if not reserved and self._pending + nbytes > self.max_pending:
+                self._drop("at submit")
                 self.report(SaveOutcome(req_id, chunk_hash, landed=False))
                 return False
-            self._pending += nbytes
+            if not reserved:
+                self._pending += nbytes
             future = self._pool.submit(self._encode_put, chunk_hash, kv, nbytes, req_id)
             self._futures.add(future)
         future.add_done_callback(self._forget)
         return True
 
-    def has_room(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more raw KV fit under the cap now (checked before gathering it)."""
-        with self._lock:
-            return self._pending + nbytes <= self.max_pending
-
-    def drop(self, what: str, waiting: int = 0) -> None:
+    def _drop(self, what: str) -> None:
         """Count a save that did not fit; warn at most every DROP_LOG_INTERVAL_S (a long prefill drops many)."""
         self.stats.add(saves_dropped=1)
         self._drops_unlogged += 1
         now = time.monotonic()
         if now - self._last_drop_log >= DROP_LOG_INTERVAL_S:
             logger.warning("kvcodec: save queue full (%d of %d bytes in use), dropped %d chunk save(s) %s",
-                           self._pending + waiting, self.max_pending, self._drops_unlogged, what)
+                           self._pending, self.max_pending, self._drops_unlogged, what)
             self._last_drop_log, self._drops_unlogged = now, 0
 
     def _store_is_down(self) -> bool:
         """Drop (and count) saves while the store is down; warn once per outage."""
-        down = self.store_down()
+        down = self.store.is_down
         if down:
             self.stats.add(saves_dropped_store_down=1)
             if not self._dropping_for_outage:

@@ -207,7 +207,7 @@ def demo(
     store: Optional[str] = typer.Option(None, help="Store URL (default: a fresh temporary file store, removed afterwards)."),
 ) -> None:
     """Two vLLM engines share a long prompt's prefix through the store: TTFT cold vs warm, bytes, exact tokens."""
-    from vllm_kvcodec import demo as demo_mod
+    from vllm_kvcodec.tools import demo as demo_mod
 
     result = demo_mod.run(codec=codec, tokens=tokens, store=store)
     if not result["ok"]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -180,11 +181,11 @@ def swap_escape_positions(blob: bytes, key: str) -> bytes:
 
 
 def save_chunks(save: Any, caches: list[torch.Tensor], chunks: list[Any]) -> None:
-    """Drive a save gather as the worker does: every layer as ``save_kv_layer`` sees it, then one hand-off per chunk."""
+    """Drive a save gather as the worker does: every layer as ``save_kv_layer`` sees it, then the end of the step."""
+    specs = [SimpleNamespace(req_id=f"r{i}", chunk_hash=c.chunk_hash, slots=c.slots) for i, c in enumerate(chunks)]
     for layer in range(len(caches)):
-        for i, chunk in enumerate(chunks):
-            save.gather(i, layer, caches[layer], chunk.slots)
-    for i, chunk in enumerate(chunks):
-        save.submit(i, chunk.chunk_hash)
-    save.release()
+        save.gather_layer(layer, caches[layer], specs)
+    left = save.end_step(specs, lambda spec: True)
+    if left:
+        raise AssertionError(f"chunks not handed to the saver: {[(s.chunk_hash[:8], why) for s, why in left]}")
     save.flush()

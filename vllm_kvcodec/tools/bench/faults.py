@@ -45,7 +45,7 @@ from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, CpuAttnVecAdapter, Geometry
 from vllm_kvcodec.save.saver import Saver
-from vllm_kvcodec.connector.stats import ConnectorStats
+from vllm_kvcodec.stats import ConnectorStats
 
 CHUNK = 128  # tokens per chunk = the block size, so one chunk is one block
 LAYERS_PER_OBJECT = 5  # 6 objects per chunk, as the connector's default grouping of 30 layers

@@ -128,24 +128,31 @@ def _chunk_slots(env: dict[str, Any], c: int) -> Any:
 
 # ---- phases (each in a fresh process) ----------------------------------------------------------------
 def _save_phase(env: dict[str, Any], codec: str, threads: int, max_pending: int, step_tokens: int) -> dict[str, Any]:
+    """The worker's save path, step by step: the real CPU gather (budget reserved before each copy), then the Saver."""
+    from types import SimpleNamespace
+
     from vllm_kvcodec.codecs.choice import CodecChooser
+    from vllm_kvcodec.stats import ConnectorStats
     from vllm_kvcodec.format import decode_chunk, encode_chunk
+    from vllm_kvcodec.save.gather import CpuSaveGather
     from vllm_kvcodec.save.saver import Saver
-    from vllm_kvcodec.connector.stats import ConnectorStats
 
     _fill_cache(env)
     decode_chunk(encode_chunk(env["base"][:5, :, :CHUNK_TOKENS], codec))  # warm-up: numba kernels
     stats = ConnectorStats()
     saver = Saver(env["store"], env["addresses"], CodecChooser(codec), threads, max_pending, stats)
+    caches = env["caches"]
+    gather = CpuSaveGather(caches, [env["adapter"]] * len(caches), saver)
     per_step = max(1, step_tokens // CHUNK_TOKENS)
     reset = _reset_peak()
     baseline = _rss()
     t0 = time.perf_counter()
     for first in range(0, len(env["hashes"]), per_step):
-        gathered = _gather_step(env, range(first, min(first + per_step, len(env["hashes"]))), saver)
-        for c, buf in gathered.items():  # WorkerHalf.wait_for_save: hand the step's chunks to the saver
-            saver.submit(env["hashes"][c], buf)
-        gathered = buf = None  # nothing of the step outlives its hand-off
+        specs = [SimpleNamespace(req_id="bench", chunk_hash=env["hashes"][c], slots=_chunk_slots(env, c).tolist())
+                 for c in range(first, min(first + per_step, len(env["hashes"])))]
+        for layer, cache in enumerate(caches):  # save_kv_layer, layer by layer
+            gather.gather_layer(layer, cache, specs)
+        gather.end_step(specs, lambda spec: True)  # wait_for_save: hand the step's chunks to the saver
     saver.flush()
     seconds = time.perf_counter() - t0
     peak = _peak()
@@ -154,29 +161,11 @@ def _save_phase(env: dict[str, Any], codec: str, threads: int, max_pending: int,
             "seconds": seconds, "stats": stats.totals()}
 
 
-def _gather_step(env: dict[str, Any], chunks: range, saver: Any) -> dict[int, Any]:
-    """WorkerHalf.save_kv_layer over one step: each chunk the step completed that fits under the saver's cap."""
-    import torch
-
-    caches, adapter = env["caches"], env["adapter"]
-    out: dict[int, Any] = {}
-    nbytes = len(caches) * 2 * CHUNK_TOKENS * adapter.num_kv_heads * adapter.head_size * adapter.dtype.itemsize
-    for c in chunks:
-        if not saver.has_room((len(out) + 1) * nbytes):  # WorkerHalf._admit_save
-            saver.drop("before gathering", waiting=len(out) * nbytes)
-            continue
-        buf = torch.empty((len(caches), 2, CHUNK_TOKENS, adapter.num_kv_heads, adapter.head_size), dtype=adapter.dtype)
-        for layer, cache in enumerate(caches):
-            adapter.gather(cache, _chunk_slots(env, c), out=buf[layer], check=False)
-        out[c] = buf
-    return out
-
-
 def _load_phase(env: dict[str, Any], threads: int) -> dict[str, Any]:
     from vllm_kvcodec.load.fetcher import Fetcher
     from vllm_kvcodec.format import decode_chunk
     from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
-    from vllm_kvcodec.connector.stats import ConnectorStats
+    from vllm_kvcodec.stats import ConnectorStats
 
     caches, adapter, addresses = env["caches"], env["adapter"], env["addresses"]
     decode_chunk(env["store"].get(addresses.key(env["hashes"][0], 0)))  # warm-up: numba kernels

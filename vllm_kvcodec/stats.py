@@ -1,19 +1,16 @@
 """Counters of what the connector did: hits, tokens and bytes moved, time per stage, failures.
 
-Each half keeps a :class:`ConnectorStats`; the worker half hands the interval's
-counters to vLLM as :class:`KVCodecTransferStats` (vLLM aggregates them across
-workers and logs them), and the totals stay readable for tests, benchmarks and
-the demo.
+Each half of the connector, and the load and save paths it drives, add to a
+:class:`ConnectorStats`; the worker half hands the interval's counters to vLLM
+(:mod:`vllm_kvcodec.connector.transfer_stats`), and the totals stay readable
+for tests, benchmarks and the demo. No vLLM here: the load path runs without it
+(the GPU device check).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections import Counter
-from typing import Any
-
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 
 class ConnectorStats:
@@ -47,22 +44,3 @@ def summarize(data: dict[str, float]) -> dict[str, float]:
     if data.get("loaded_raw_bytes"):
         out["load_ratio"] = round(data["loaded_raw_bytes"] / max(1, data.get("loaded_bytes", 0)), 3)
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(out.items())}
-
-
-@dataclasses.dataclass
-class KVCodecTransferStats(KVConnectorStats):
-    """What vLLM's ``KVConnectorLogging`` receives from the worker each interval."""
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> "KVCodecTransferStats":
-        merged = Counter(self.data)
-        merged.update(other.data)
-        return KVCodecTransferStats(data=dict(merged))
-
-    def reduce(self) -> dict[str, Any]:
-        return summarize(self.data)
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
