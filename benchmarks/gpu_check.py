@@ -499,7 +499,7 @@ class _CollectingSaver:
 def sec_gpu_fetcher(d: dict) -> None:
     """Real KV chunks (splitzip and CPU codecs) in a memory store -> CudaFetcher -> packed caches -> gather -> compare."""
     from vllm_kvcodec.tools import gpu_load_check as lc
-    from vllm_kvcodec.load.cuda_fetcher import CudaFetcher
+    from vllm_kvcodec.load.cuda_placement import CudaFetcher
     from vllm_kvcodec.save.cuda_gather import CudaSaveGather
     from vllm_kvcodec.paged import PackedKVAdapter
 

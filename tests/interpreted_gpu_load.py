@@ -20,7 +20,7 @@ from vllm_kvcodec.codecs.choice import CodecChooser
 from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.format import decode_chunk, encode_chunk
 from vllm_kvcodec.tools import gpu_load_check as lc
-from vllm_kvcodec.load.cuda_fetcher import CudaFetcher
+from vllm_kvcodec.load.cuda_placement import CudaFetcher
 from vllm_kvcodec.gpu.launch import interpreted
 from vllm_kvcodec.gpu.scatter_triton import PackedPages
 from vllm_kvcodec.paged import Geometry, PackedKVAdapter, PagedLayoutError, SlotError

@@ -6,7 +6,7 @@ import pytest
 
 from vllm_kvcodec.load import fetcher
 from vllm_kvcodec.tools.bench import faults
-from vllm_kvcodec.format import decode_chunk
+from vllm_kvcodec.format import read_header
 
 
 def test_every_load_is_exact_or_reported_failed_and_every_fault_is_counted() -> None:
@@ -22,7 +22,7 @@ def test_every_load_is_exact_or_reported_failed_and_every_fault_is_counted() -> 
 
 def test_a_reader_that_ignores_the_key_binding_loads_swapped_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Why chunks are key-bound: without the check, swapped objects pass every other test and load wrong KV."""
-    monkeypatch.setattr(fetcher, "decode_chunk", lambda blob, key=None: decode_chunk(blob))
+    monkeypatch.setattr(fetcher, "read_header", lambda blob, key=None: read_header(blob))
     only_swaps = {"drop": 0.0, "truncate": 0.0, "corrupt": 0.0, "delay": 0.0, "swap": 0.3}
     result = faults.run(None, faulty_loads=10, seed=2, rates=only_swaps)
     assert result["wrong"] > 0 and result["injected"]["swap"] > 0

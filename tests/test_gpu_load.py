@@ -1,4 +1,4 @@
-"""The GPU load and save paths (vllm_kvcodec/gpu: scatter_triton, cuda_fetcher, cuda_save, staging).
+"""The GPU load and save paths (gpu/scatter_triton, gpu/staging, load/cuda_placement, save/cuda_gather).
 
 Three kinds of tests:
 
@@ -167,7 +167,7 @@ def _cuda_caches(layers, blocks, heads, block, head, order):
 def test_cuda_fetcher_events_and_bit_exact_load(real_kv_1k) -> None:
     from vllm_kvcodec.load.fetcher import Fetcher
     from vllm_kvcodec.tools import gpu_load_check as lc
-    from vllm_kvcodec.load.cuda_fetcher import CudaFetcher
+    from vllm_kvcodec.load.cuda_placement import CudaFetcher
     from vllm_kvcodec.paged import PackedKVAdapter
     from vllm_kvcodec.stats import ConnectorStats
 
@@ -199,7 +199,7 @@ def test_cuda_fetcher_events_and_bit_exact_load(real_kv_1k) -> None:
 @pytest.mark.gpu
 @cuda_kernels
 def test_worker_picks_the_cuda_fetcher_for_cuda_caches() -> None:
-    from vllm_kvcodec.load.cuda_fetcher import CudaFetcher
+    from vllm_kvcodec.load.cuda_placement import CudaFetcher
     from vllm_kvcodec.connector.worker_half import _fetcher_class
 
     assert _fetcher_class([torch.zeros(1, device="cuda")]) is CudaFetcher
@@ -212,7 +212,7 @@ def test_cuda_save_gather_reaches_the_store_bit_exact(real_kv_1k) -> None:
     from vllm_kvcodec.codecs.choice import CodecChooser
     from vllm_kvcodec.format import decode_chunk
     from vllm_kvcodec.tools import gpu_load_check as lc
-    from vllm_kvcodec.load.cuda_fetcher import CudaFetcher
+    from vllm_kvcodec.load.cuda_placement import CudaFetcher
     from vllm_kvcodec.paged import PackedKVAdapter
     from vllm_kvcodec.save.cuda_gather import CudaSaveGather
     from vllm_kvcodec.save.saver import Saver

@@ -166,7 +166,11 @@ def decode_chunk(blob: bytes | bytearray | memoryview, key: str | None = None) -
 
     ``key``: the store key the blob was read from; the chunk must be bound to it.
     """
-    header = read_header(blob, key=key)
+    return decode_payload(blob, read_header(blob, key=key))
+
+
+def decode_payload(blob: bytes | bytearray | memoryview, header: ChunkHeader) -> torch.Tensor:
+    """Decode ``blob``'s payload, given the header :func:`read_header` validated for it (not parsed again)."""
     codec = _codec_for(header)
     payload = memoryview(blob).cast("B")[header.payload_offset : header.payload_offset + header.payload_length]
     bits = codec.decode(payload, header.dtype, header.shape)
@@ -217,5 +221,5 @@ def _load_config(raw: memoryview) -> dict[str, Any]:
 
 __all__ = [
     "ChunkFormatError", "ChunkHeader", "KEY_BOUND", "KVCodecError", "MAGIC", "VERSION",
-    "build_chunk", "decode_chunk", "encode_chunk", "key_digest", "read_header", "verify_checksum",
+    "build_chunk", "decode_chunk", "decode_payload", "encode_chunk", "key_digest", "read_header", "verify_checksum",
 ]

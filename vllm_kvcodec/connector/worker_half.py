@@ -224,9 +224,9 @@ def _codec_spec(configured: Any, dtype: DType) -> Any:
 
 
 def _fetcher_class(caches: list[torch.Tensor]) -> type:
-    """KV on a CUDA device loads through streams and Triton kernels (load/cuda_fetcher.py); elsewhere through threads."""
+    """KV on a CUDA device loads through streams and Triton kernels (load/cuda_placement.py); elsewhere through threads."""
     if caches[0].is_cuda:
-        from vllm_kvcodec.load.cuda_fetcher import CudaFetcher
+        from vllm_kvcodec.load.cuda_placement import CudaFetcher
 
         return CudaFetcher
     return Fetcher

@@ -325,6 +325,15 @@ def _aligned_empty(nbytes: int, align_at: int, device: torch.device) -> torch.Te
     return base[shift : shift + nbytes]
 
 
+def device_payload_buffer(nbytes: int, n: int, device: torch.device) -> torch.Tensor:
+    """A device buffer for an ``nbytes`` payload of ``n`` values, its sign/mantissa stream on a 16-byte boundary.
+
+    The decode kernel reads that stream with 16-byte vector loads; a payload
+    copied into this buffer decodes at full width wherever it came from.
+    """
+    return _aligned_empty(nbytes, HEADER_BYTES + (n + 1) // 2, device)
+
+
 def payload_size(n: int, m: int) -> int:
     """Bytes of a bfloat16 SplitZip payload of ``n`` values with ``m`` escapes."""
     return HEADER_BYTES + (n + 1) // 2 + n + 5 * m
@@ -644,6 +653,6 @@ def build_chunk(payload: np.ndarray | bytes, shape: tuple[int, ...]) -> bytes:
 
 
 __all__ = [
-    "HIST_MODES", "SplitZipGPU", "can_run_on", "codebook_gpu", "interpreted", "build_chunk", "decode_splitzip_gpu", "decode_splitzip_gpu_async",
+    "HIST_MODES", "device_payload_buffer", "SplitZipGPU", "can_run_on", "codebook_gpu", "interpreted", "build_chunk", "decode_splitzip_gpu", "decode_splitzip_gpu_async",
     "encode_splitzip_gpu", "encode_splitzip_gpu_bytes", "payload_size", "raise_if_invalid",
 ]

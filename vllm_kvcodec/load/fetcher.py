@@ -1,14 +1,24 @@
-"""The load path: fetch -> decode -> scatter, on threads, layer group by layer group.
+"""The load path: fetch -> decode -> scatter, on threads, layer group by layer group; one path for every medium.
 
 Objects are submitted in layer-group order, so the first layers' KV arrives
 first and the engine's prefill of the uncached suffix can start on layer 0
-while later groups are still on the wire. Decoding (numba/zstd kernels) and
-store I/O release the GIL, so threads overlap for real. Memory stays bounded:
+while later groups are still on the wire. Store I/O and decoding (numba/zstd
+kernels) release the GIL, so threads overlap for real. Memory stays bounded:
 each thread holds at most one object.
+
+Per object, whatever the medium: get it (a missing object fails its blocks),
+validate its header once (sizes, checksum, the key it is bound to, the shape
+this engine expects), then let the :class:`Placement` decode and scatter it.
+What differs between host memory and a CUDA device is only the placement
+(:class:`HostPlacement` here; :class:`~vllm_kvcodec.load.cuda_placement.CudaPlacement`
+stages, copies and decodes on a side stream), the way vLLM's offloading code
+keeps one worker contract with a transfer handler per medium.
 """
 
 from __future__ import annotations
 
+import abc
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -18,12 +28,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from storage import Store
-from vllm_kvcodec.format import decode_chunk, read_header
+from vllm_kvcodec.format import ChunkHeader, decode_payload, read_header
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PagedKVAdapter
 
-if TYPE_CHECKING:  # both import vLLM; the fetcher itself must not (the GPU check runs without it)
+if TYPE_CHECKING:  # imports vLLM; the fetcher itself must not (the GPU check runs without it)
     from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
     from vllm_kvcodec.stats import ConnectorStats
 
@@ -39,6 +49,48 @@ class LoadError(Exception):
     """A stored object could not be used; its blocks are recomputed."""
 
 
+@dataclasses.dataclass
+class Decoded:
+    """One object's KV ``[layers, 2, chunk, heads, head]`` and the chunk's slots, where the caches are."""
+
+    kv: torch.Tensor
+    slots: torch.Tensor
+    on_device: bool = False  # decoded by a device kernel (counted as gpu_decoded_objects)
+
+
+class Placement(abc.ABC):
+    """How one validated object reaches paged memory on one medium."""
+
+    def __init__(self, caches: list[torch.Tensor], adapters: list[PagedKVAdapter]) -> None:
+        self.caches, self.adapters = caches, adapters
+
+    def new_job(self, group_layers: list[list[int]], objects_per_group: int, req_ids: list[str]) -> LoadJob:
+        return LoadJob(group_layers, objects_per_group, req_ids)
+
+    @abc.abstractmethod
+    def decode(self, blob: bytes, header: ChunkHeader, slots: list[int]) -> Decoded:
+        """Decode the object (untrusted beyond its header) next to the caches; raise on anything invalid."""
+
+    @abc.abstractmethod
+    def scatter(self, layers: range, decoded: Decoded, first_token: int) -> None:
+        """Write tokens ``first_token:`` of the decoded object into its slots, layer by layer."""
+
+    def shutdown(self) -> None:
+        """Release streams or staging memory, if any."""
+
+
+class HostPlacement(Placement):
+    """Caches in host memory: decode on the fetch thread, scatter with each layer's page layout."""
+
+    def decode(self, blob: bytes, header: ChunkHeader, slots: list[int]) -> Decoded:
+        return Decoded(decode_payload(blob, header), torch.tensor(slots, dtype=torch.int64))
+
+    def scatter(self, layers: range, decoded: Decoded, first_token: int) -> None:
+        part = decoded.kv[:, :, first_token : first_token + decoded.slots.numel()]
+        for i, layer in enumerate(layers):
+            self.adapters[layer].scatter(self.caches[layer], decoded.slots, part[i], check=False)
+
+
 class Fetcher:
     def __init__(
         self,
@@ -49,15 +101,17 @@ class Fetcher:
         threads: int,
         stats: ConnectorStats,
         observe_transfer: Callable[[int, float], None] | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.store, self.addresses = store, addresses
         self.observe_transfer = observe_transfer  # feeds the link estimate of codec "auto"
         self.groups, self.caches, self.adapters, self.stats = addresses.groups, caches, adapters, stats
+        self.placement = placement if placement is not None else HostPlacement(caches, adapters)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-fetch", initializer=_one_torch_thread)
 
     def submit(self, specs: list[LoadSpec], timeout_s: float) -> LoadJob:
         chunks = [(spec, chunk) for spec in specs for chunk in spec.chunks]
-        job = self._new_job([list(g) for g in self.groups], len(chunks), [s.req_id for s in specs])
+        job = self.placement.new_job([list(g) for g in self.groups], len(chunks), [s.req_id for s in specs])
         job.deadline = time.monotonic() + timeout_s
         for g in range(len(self.groups)):
             for i, (spec, chunk) in enumerate(chunks):
@@ -66,9 +120,6 @@ class Fetcher:
             for i, (_, chunk) in enumerate(chunks):
                 self._pool.submit(self._load_object, job, g, i, chunk)
         return job
-
-    def _new_job(self, group_layers: list[list[int]], objects_per_group: int, req_ids: list[str]) -> LoadJob:
-        return LoadJob(group_layers, objects_per_group, req_ids)
 
     def _load_object(self, job: LoadJob, group: int, index: int, chunk: ChunkLoad) -> None:
         ok = False
@@ -91,32 +142,32 @@ class Fetcher:
         t1 = time.perf_counter()
         if self.observe_transfer is not None:
             self.observe_transfer(len(blob), t1 - t0)
-        kv = decode_chunk(blob, key=key)  # key-bound: a swapped object is rejected, not loaded
-        t2 = time.perf_counter()
+        header = read_header(blob, key=key)  # sizes, checksum and key binding: a swapped object is rejected
         layers = self.groups[group]
-        self._check(kv, len(layers))
-        part = kv[:, :, chunk.first_token : chunk.first_token + len(chunk.slots)]
-        slots = torch.tensor(chunk.slots, dtype=torch.int64)
+        self._check(header, len(layers))
+        decoded = self.placement.decode(blob, header, chunk.slots)
+        t2 = time.perf_counter()
         if not job.begin_write():
             raise LoadError("load cancelled (timeout)")
         try:
-            for i, layer in enumerate(layers):
-                self.adapters[layer].scatter(self.caches[layer], slots, part[i], check=False)
+            self.placement.scatter(layers, decoded, chunk.first_token)
         finally:
             job.end_write()
         t3 = time.perf_counter()
         self.stats.add(
-            loaded_objects=1, loaded_bytes=len(blob), loaded_raw_bytes=kv.numel() * kv.element_size(),
-            fetch_s=t1 - t0, decode_s=t2 - t1, scatter_s=t3 - t2,
+            loaded_objects=1, loaded_bytes=len(blob), loaded_raw_bytes=header.raw_nbytes,
+            fetch_s=t1 - t0, decode_s=t2 - t1, scatter_s=t3 - t2, **{f"codec_{header.codec_id}_loads": 1},
             **({"loaded_tokens": len(chunk.slots)} if group == 0 else {}),
+            **({"gpu_decoded_objects": 1} if decoded.on_device else {}),
         )
-        self.stats.add(**{f"codec_{read_header(blob, verify=False).codec_id}_loads": 1})
 
-    def _check(self, kv: torch.Tensor, num_layers: int) -> None:
+    def _check(self, header: ChunkHeader, num_layers: int) -> None:
+        """The object must hold exactly one layer group of one chunk of this engine's KV, before anything is decoded."""
         a = self.adapters[self.groups[0][0]]
         expected = (num_layers, 2, self.addresses.namespace.chunk_size, a.num_kv_heads, a.head_size)
-        if tuple(kv.shape) != expected or kv.dtype != a.dtype:
-            raise LoadError(f"stored object holds {tuple(kv.shape)} {kv.dtype}, expected {expected} {a.dtype}")
+        if header.shape != expected or header.dtype.torch_dtype != a.dtype:
+            raise LoadError(f"stored object holds {header.shape} {header.dtype.name.lower()}, expected {expected} {a.dtype}")
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.placement.shutdown()
