@@ -50,3 +50,10 @@ def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> to
     width = 32 if dtype == torch.float32 else 16
     words = rng.integers(0, 1 << width, int(np.prod(shape)), dtype=np.uint64)
     return from_bits(words, dtype).reshape(shape)
+
+
+def torch_random_bits(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Random bit patterns (NaNs, infinities, subnormals included) drawn from a torch generator."""
+    wide = torch.int32 if dtype.itemsize == 4 else torch.int16
+    info = torch.iinfo(wide)
+    return torch.randint(info.min, info.max, shape, dtype=wide, generator=generator).view(dtype)

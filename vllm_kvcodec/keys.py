@@ -98,6 +98,11 @@ def object_key(namespace: Namespace, chunk_hash: str, tp_rank: int, group: int) 
     return f"{KEY_PREFIX}/{namespace.digest[:16]}/{chunk_hash}/r{tp_rank}g{group:03d}"
 
 
+def chunk_object_keys(namespace: Namespace, chunk_hash: str, tp_size: int, num_groups: int) -> list[str]:
+    """Every object of one chunk: each tensor-parallel rank's shard of each layer group (what a lookup must find)."""
+    return [object_key(namespace, chunk_hash, r, g) for r in range(tp_size) for g in range(num_groups)]
+
+
 @dataclasses.dataclass(frozen=True)
 class ObjectAddresses:
     """Where one rank's layer-group objects live: what the fetcher and the saver share."""

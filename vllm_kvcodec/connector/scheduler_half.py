@@ -32,7 +32,7 @@ from storage import StoreError
 from storage.outage import StoreDownError
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.identity import PromptIdentity, prompt_identity
-from vllm_kvcodec.keys import Namespace, extend_chunk_hashes, object_key
+from vllm_kvcodec.keys import Namespace, chunk_object_keys, extend_chunk_hashes
 from vllm_kvcodec.connector.load_ledger import LoadLedger
 from vllm_kvcodec.connector.metadata import ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec, SaveOutcome, SaveSpec
 from vllm_kvcodec.paged.slots import slots_for_tokens
@@ -127,7 +127,7 @@ class SchedulerHalf:
     def _longest_stored_prefix(self, hashes: list[str]) -> int:
         if not hashes:
             return 0
-        keys = [self._object_keys(h) for h in hashes]
+        keys = [chunk_object_keys(self.namespace, h, self.tp_size, self.groups) for h in hashes]
         try:
             found = self.store.exists_many([k for ks in keys for k in ks])
         except StoreDownError:  # known outage, already logged once: a miss at no cost
@@ -142,10 +142,6 @@ class SchedulerHalf:
             if not all(found[c * per : (c + 1) * per]):
                 return c
         return len(hashes)
-
-    def _object_keys(self, chunk_hash: str) -> list[str]:
-        """Every object of one chunk: each tensor-parallel rank's shard of each layer group."""
-        return [object_key(self.namespace, chunk_hash, r, g) for r in range(self.tp_size) for g in range(self.groups)]
 
     # ---- load planning --------------------------------------------------------------
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:

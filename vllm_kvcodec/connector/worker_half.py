@@ -125,6 +125,8 @@ class WorkerHalf:
         job.cancel()
 
     def _finish_sync_load(self) -> None:
+        """The step's sync loads end with its forward pass; both of vLLM's end-of-step calls need their outcome
+        (``wait_for_save``: which saves rest on good KV; ``get_block_ids_with_load_errors``: what to report)."""
         job, self._sync_job = self._sync_job, None
         if job is not None:
             job.done.wait(max(0.0, job.deadline - time.monotonic()))

@@ -30,7 +30,7 @@ from vllm_kvcodec.paged.packed import (
     FlashSplitKVAdapter,
     PackedKVAdapter,
 )
-from vllm_kvcodec.paged.slots import block_ids_of, slots_for_tokens
+from vllm_kvcodec.paged.slots import slots_for_tokens
 
 __all__ = [
     "CANONICAL_NAMESPACE",
@@ -49,7 +49,6 @@ __all__ = [
     "UnknownLayoutError",
     "adapter_for",
     "adapters_for",
-    "block_ids_of",
     "cpu_attn_adapter",
     "engine_isa",
     "kernel_isa",

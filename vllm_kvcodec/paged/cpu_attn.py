@@ -233,8 +233,8 @@ def vllm_write(layer_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
     )
 
 
-def random_bits(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Random bit patterns of ``dtype`` (NaNs, infinities, subnormals included)."""
+def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random bit patterns of ``dtype`` (NaNs, infinities, subnormals included): the op must move any bits."""
     wide = torch.int32 if dtype.itemsize == 4 else torch.int16
     info = torch.iinfo(wide)
     return torch.randint(info.min, info.max, shape, dtype=wide, generator=generator).view(dtype)
@@ -251,7 +251,7 @@ def verify_with_vllm_op(adapter: _CpuAttnAdapter, isa: str | None = None) -> Non
     isa = isa or adapter.isa
     gen = torch.Generator().manual_seed(0)
     slots = torch.randperm(2 * g.block_size, generator=gen)[: g.block_size + 3]
-    kv = random_bits((2, slots.numel(), g.num_kv_heads, g.head_size), g.dtype, gen)
+    kv = _random_bits((2, slots.numel(), g.num_kv_heads, g.head_size), g.dtype, gen)
     ref = torch.zeros((2, g.num_kv_heads, g.block_size, 2 * g.head_size), dtype=g.dtype)
     try:
         vllm_write(ref, slots, kv, isa)

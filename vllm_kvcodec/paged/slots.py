@@ -44,7 +44,3 @@ def slots_for_tokens(
     pos = torch.arange(start, stop, dtype=torch.int64, device=blocks.device)
     return blocks[pos // block_size] * block_size + pos % block_size
 
-
-def block_ids_of(slots: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The distinct block ids ``slots`` touch, sorted (for ``get_block_ids_with_load_errors``)."""
-    return torch.unique(torch.div(slots.to(torch.int64), block_size, rounding_mode="floor"))
