@@ -21,11 +21,11 @@ decode of the reference payload), throughput (device copy vs SplitZip encode
 and decode on ~1.5 GB of tiled real KV, a small sweep of kernel settings,
 histogram phase alone, worst case on random bits), scatter (the Triton
 scatter/gather of ``vllm_kvcodec.gpu.scatter_triton`` into vLLM 0.33 packed
-K‖V caches sized like SmolLM2-135M and an 8B GQA model, vs the adapter's torch
-indexing and a plain device copy; bit-exact against the adapter), gpu_fetcher
+K‖V caches sized like SmolLM2-135M and an 8B GQA model, vs the layout's torch
+indexing and a plain device copy; bit-exact against the layout), gpu_fetcher
 (real KV chunks in a memory store, splitzip decoded on the device and other
 codecs on the CPU, through ``CudaFetcher`` into packed caches: bit-exact vs the
-CPU adapter, one event per layer group, the compute stream reads each layer
+CPU layout, one event per layer group, the compute stream reads each layer
 right after its event wait, the save path's gather back, and a payload with a
 valid checksum but invalid escapes rejected by the device flags), nvcodec
 (NVDEC decode of the HEVC chunk, bit-exact against the KV; NVENC probe).
@@ -429,27 +429,27 @@ def _copy_gbps(kv: torch.Tensor, iters: int) -> float:
 
 def _scatter_row(kv: torch.Tensor, slots: torch.Tensor, blocks: int, block: int, order: str, iters: int) -> dict:
     from vllm_kvcodec.gpu.scatter_triton import PackedPages
-    from vllm_kvcodec.paged import Geometry, PackedKVAdapter
+    from vllm_kvcodec.paged import Geometry, PackedKVLayout
 
     layers, _, _, heads, head = kv.shape
     nbytes = kv.numel() * 2
     caches = _packed_caches(layers, blocks, heads, block, head, order)
     want = [c.clone() for c in caches]
     pages = PackedPages(caches, head)
-    adapter = PackedKVAdapter(Geometry(heads, head, block, torch.bfloat16))
+    layout = PackedKVLayout(Geometry(heads, head, block, torch.bfloat16))
     t = timed(lambda: pages.scatter(0, kv, slots), iters)
-    ta = timed(lambda: [adapter.scatter(want[i], slots, kv[i], check=False) for i in range(layers)], iters)
+    ta = timed(lambda: [layout.scatter(want[i], slots, kv[i], check=False) for i in range(layers)], iters)
     sync()
     exact = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(caches, want))
     out = torch.empty_like(kv)
     tg = timed(lambda: pages.gather(0, slots, out), iters)
     return {"triton_scatter_GBps": gbps(nbytes, t["median_s"]), "triton_gather_GBps": gbps(nbytes, tg["median_s"]),
-            "adapter_scatter_GBps": gbps(nbytes, ta["median_s"]), "bit_exact_vs_adapter": exact,
+            "layout_scatter_GBps": gbps(nbytes, ta["median_s"]), "bit_exact_vs_layout": exact,
             "gather_round_trip_bit_exact": torch.equal(out.view(torch.int16), kv.view(torch.int16))}
 
 
 def sec_scatter(d: dict) -> None:
-    """Triton scatter/gather of a layer group per launch vs the adapter's torch indexing vs a plain copy."""
+    """Triton scatter/gather of a layer group per launch vs the layout's torch indexing vs a plain copy."""
     iters = 1 if ARGS.dry_run else ARGS.iters
     rows, exact_all = {}, True
     for name, layers, heads, head, block, blocks in DRY_SCATTER_MODELS if ARGS.dry_run else SCATTER_MODELS:
@@ -465,12 +465,12 @@ def sec_scatter(d: dict) -> None:
                "kv_bytes": nbytes, "copy_GBps": _copy_gbps(kv, iters)}
         for order in ("NHD", "HND"):
             row[order] = _scatter_row(kv, slots, blocks, block, order, iters)
-            exact_all &= row[order]["bit_exact_vs_adapter"] and row[order]["gather_round_trip_bit_exact"]
+            exact_all &= row[order]["bit_exact_vs_layout"] and row[order]["gather_round_trip_bit_exact"]
         rows[name] = row
         log(f"   {name}: {row}")
     d["models"] = rows
     d["note"] = ("vLLM 0.33 packed K||V (FLASH_ATTN/FLASHINFER); Triton: one launch per layer group through a pointer "
-                 "table; adapter: PackedKVAdapter torch indexing, one layer per call; copy: contiguous d2d of the same bytes")
+                 "table; layout: PackedKVLayout torch indexing, one layer per call; copy: contiguous d2d of the same bytes")
     d["bit_exact"] = exact_all
     if not exact_all:
         d["status"] = "MISMATCH (see rows)"
@@ -501,7 +501,7 @@ def sec_gpu_fetcher(d: dict) -> None:
     from vllm_kvcodec.tools import gpu_load_check as lc
     from vllm_kvcodec.load.cuda_placement import CudaFetcher
     from vllm_kvcodec.save.cuda_gather import CudaSaveGather
-    from vllm_kvcodec.paged import PackedKVAdapter
+    from vllm_kvcodec.paged import PackedKVLayout
 
     if DATASET is None:
         d["status"] = "skipped: no data file"
@@ -515,9 +515,9 @@ def sec_gpu_fetcher(d: dict) -> None:
     for order in lc.ORDERS:
         sc = lc.build(kv, chunk_size=chunk, layers_per_object=per_object, block_size=block, codecs=codecs, first_token=37 % chunk)
         caches = sc.caches(DEVICE, order)
-        adapters = [PackedKVAdapter(sc.geometry)] * len(caches)
+        layouts = [PackedKVLayout(sc.geometry)] * len(caches)
         stats = lc.Counters()
-        fetcher = CudaFetcher(sc.store, sc.addresses, caches, adapters, threads, stats)
+        fetcher = CudaFetcher(sc.store, sc.addresses, caches, layouts, threads, stats)
         try:
             sync()
             t0 = time.perf_counter()
@@ -536,7 +536,7 @@ def sec_gpu_fetcher(d: dict) -> None:
                 "objects": stats.values.get("loaded_objects", 0), "device_decoded": stats.values.get("gpu_decoded_objects", 0),
                 "failed_blocks": sorted(job.failed_blocks), "group_events_recorded": (all(e is not None for e in job.events) if DEVICE.type == "cuda"
                                           else "n/a: a CPU has no streams (dry run)"),
-                "bit_exact_vs_cpu_adapter": lc.caches_equal(caches, want),
+                "bit_exact_vs_cpu_layout": lc.caches_equal(caches, want),
                 "compute_stream_saw_each_layer_after_its_event": all(
                     torch.equal(lc.bits(snapshots[i].cpu()), lc.bits(want[i])) for i in snapshots),
                 "raw_GBps_end_to_end": gbps(int(stats.values.get("loaded_raw_bytes", 0)), seconds),
@@ -545,7 +545,7 @@ def sec_gpu_fetcher(d: dict) -> None:
             }
             # gather back through the save path (side stream, pinned D2H) and compare with the stored chunks
             saver = _CollectingSaver()
-            save = CudaSaveGather(caches, fetcher.adapters, saver)
+            save = CudaSaveGather(caches, fetcher.layouts, saver)
             loaded = [c for spec in sc.specs for c in spec.chunks if c.first_token == 0]
             lc.save_chunks(save, caches, loaded)
             save.shutdown()
@@ -555,7 +555,7 @@ def sec_gpu_fetcher(d: dict) -> None:
                 for c in loaded)
         finally:
             fetcher.shutdown()
-        good = (not row["failed_blocks"] and row["group_events_recorded"] is not False and row["bit_exact_vs_cpu_adapter"]
+        good = (not row["failed_blocks"] and row["group_events_recorded"] is not False and row["bit_exact_vs_cpu_layout"]
                 and row["compute_stream_saw_each_layer_after_its_event"] and row["save_gather_bit_exact"])
         ok &= good
         d[order] = row
@@ -566,7 +566,7 @@ def sec_gpu_fetcher(d: dict) -> None:
     key = sc.addresses.key(bad.chunk_hash, 0)
     sc.store.put(key, lc.swap_escape_positions(sc.store.get(key), key))
     caches = sc.caches(DEVICE)
-    fetcher = CudaFetcher(sc.store, sc.addresses, caches, [PackedKVAdapter(sc.geometry)] * len(caches), threads, lc.Counters())
+    fetcher = CudaFetcher(sc.store, sc.addresses, caches, [PackedKVLayout(sc.geometry)] * len(caches), threads, lc.Counters())
     try:
         job = fetcher.submit(sc.specs, 120)
         assert job.done.wait(120)

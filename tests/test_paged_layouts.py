@@ -1,9 +1,9 @@
-"""Paged-memory adapters: bit-exact gather/scatter for every layout, against vLLM's own op where it exists.
+"""Page layouts: bit-exact gather/scatter for every layout, against vLLM's own op where it exists.
 
 The CPU_ATTN tests are the strong ones: vLLM's ``cpu_attn_reshape_and_cache``
 writes random bit patterns (NaNs, infinities and subnormals included) into a
 fresh cache for every ISA string, dtype, head size and block size the op
-accepts on this machine; the adapter must gather exactly what the op was given,
+accepts on this machine; the layout must gather exactly what the op was given,
 and scattering the same KV into an empty cache must give the same bytes.
 The GPU layouts (not runnable here) are checked against their definitions.
 """
@@ -19,18 +19,18 @@ import torch
 
 from vllm_kvcodec.paged import (
     CANONICAL_NAMESPACE,
-    CpuAttnAmxAdapter,
-    CpuAttnVecAdapter,
-    FlashInferSplitKVAdapter,
-    FlashSplitKVAdapter,
+    CpuAttnAmxLayout,
+    CpuAttnVecLayout,
+    FlashInferSplitKVLayout,
+    FlashSplitKVLayout,
     Geometry,
-    PackedKVAdapter,
+    PackedKVLayout,
     PagedLayoutError,
     SlotError,
     UnknownLayoutError,
-    adapter_for,
-    adapters_for,
-    cpu_attn_adapter,
+    layout_for,
+    layouts_for,
+    cpu_attn_layout,
     kernel_isa,
     shared_kv_layers,
     slots_for_tokens,
@@ -103,38 +103,38 @@ def test_cpu_attn_matches_vllm_write_op(isa, dtype, head_size, block_size):
         vllm_write(ref, slots, kv, isa)
     except RuntimeError:
         # the op refuses this configuration (AMX needs block_size % (64/itemsize) == 0);
-        # then the adapter must refuse it too, never guess
+        # then the layout must refuse it too, never guess
         with pytest.raises(UnknownLayoutError):
-            cpu_attn_adapter(isa, Geometry(heads, head_size, block_size, dtype))
+            cpu_attn_layout(isa, Geometry(heads, head_size, block_size, dtype))
         return
-    adapter = cpu_attn_adapter(isa, Geometry(heads, head_size, block_size, dtype))
-    assert adapter.layout_id == ("cpu_attn-amx-v1" if kernel_isa(isa, head_size) == "amx" else "cpu_attn-vec-v1")
+    layout = cpu_attn_layout(isa, Geometry(heads, head_size, block_size, dtype))
+    assert layout.layout_id == ("cpu_attn-amx-v1" if kernel_isa(isa, head_size) == "amx" else "cpu_attn-vec-v1")
 
     # gather returns exactly what vLLM was given
-    assert_bit_equal(adapter.gather(ref, slots), kv)
+    assert_bit_equal(layout.gather(ref, slots), kv)
     # scatter writes exactly the bytes vLLM writes, and nothing else
     mine = torch.zeros_like(ref)
-    adapter.scatter(mine, slots, kv)
+    layout.scatter(mine, slots, kv)
     assert torch.equal(bits(mine), bits(ref))
     # gather . scatter = identity, in any slot order
     perm = torch.randperm(slots.numel(), generator=gen)
-    assert_bit_equal(adapter.gather(mine, slots[perm]), kv[:, perm])
+    assert_bit_equal(layout.gather(mine, slots[perm]), kv[:, perm])
 
 
 @needs_op
 def test_engine_isa_on_this_machine_is_verified():
-    """Whatever ISA vLLM picks here (vec on a CPU without AMX) gets an adapter that passes the op check."""
+    """Whatever ISA vLLM picks here (vec on a CPU without AMX) gets a layout that passes the op check."""
     cache = torch.zeros((3, 3, 64, 128), dtype=torch.bfloat16)
-    adapter = adapter_for("CPU_ATTN", cache, verify=True)  # isa from vLLM's own _get_attn_isa
+    layout = layout_for("CPU_ATTN", cache, verify=True)  # isa from vLLM's own _get_attn_isa
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    assert kernel_isa(_get_attn_isa(torch.bfloat16, 64, 64), 64) == adapter.isa
-    assert adapter.isa == ("amx" if torch.cpu._is_amx_tile_supported() else "vec")
+    assert kernel_isa(_get_attn_isa(torch.bfloat16, 64, 64), 64) == layout.isa
+    assert layout.isa == ("amx" if torch.cpu._is_amx_tile_supported() else "vec")
 
 
 # ---- CPU_ATTN layouts by their formulas (no vLLM needed) -----------------------------------
 def _cpu_reference(kind: str, kv: torch.Tensor, slots: torch.Tensor, nb: int, bs: int) -> torch.Tensor:
-    """Place kv by the documented element-offset formulas (independent of the adapters' views)."""
+    """Place kv by the documented element-offset formulas (independent of the layouts' views)."""
     _, t, h, d = kv.shape
     page = torch.zeros((nb, h, 2 * bs * d), dtype=kv.dtype)
     p = 4 // kv.dtype.itemsize
@@ -147,43 +147,43 @@ def _cpu_reference(kind: str, kv: torch.Tensor, slots: torch.Tensor, nb: int, bs
     else:
         k_at = e * bs + tt
         v_at = bs * d + tt * d + e
-    for head in range(h):  # a loop over heads only: this is the test's reference, not the adapter
+    for head in range(h):  # a loop over heads only: this is the test's reference, not the layout
         page[blk[:, None], head, k_at] = kv[0, :, head]
         page[blk[:, None], head, v_at] = kv[1, :, head]
     return page.view(nb, h, bs, 2 * d)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cls,kind", [(CpuAttnAmxAdapter, "amx"), (CpuAttnVecAdapter, "vec")])
+@pytest.mark.parametrize("cls,kind", [(CpuAttnAmxLayout, "amx"), (CpuAttnVecLayout, "vec")])
 def test_cpu_attn_formulas(cls, kind, dtype):
     nb, h, bs, d = 5, 3, 64, 64
     gen = torch.Generator().manual_seed(7)
     slots = odd_slots(nb, bs, gen)
     kv = random_bits((2, slots.numel(), h, d), dtype, gen)
     ref = _cpu_reference(kind, kv, slots, nb, bs)
-    adapter = cls(Geometry(h, d, bs, dtype))
-    assert_bit_equal(adapter.gather(ref, slots), kv)
+    layout = cls(Geometry(h, d, bs, dtype))
+    assert_bit_equal(layout.gather(ref, slots), kv)
     mine = torch.zeros_like(ref)
-    adapter.scatter(mine, slots, kv)
+    layout.scatter(mine, slots, kv)
     assert torch.equal(bits(mine), bits(ref))
 
 
 def test_amx_layout_is_not_vec_layout():
-    """The two CPU layouts really differ: reading one with the other's adapter scrambles K and V."""
+    """The two CPU layouts really differ: reading one with the other's layout scrambles K and V."""
     g = Geometry(2, 64, 32, torch.bfloat16)
     gen = torch.Generator().manual_seed(3)
     slots = torch.arange(32)
     kv = random_bits((2, 32, 2, 64), torch.bfloat16, gen)
     cache = torch.zeros((1, 2, 32, 128), dtype=torch.bfloat16)
-    CpuAttnAmxAdapter(g).scatter(cache, slots, kv)
-    wrong = CpuAttnVecAdapter(g).gather(cache, slots)
+    CpuAttnAmxLayout(g).scatter(cache, slots, kv)
+    wrong = CpuAttnVecLayout(g).gather(cache, slots)
     assert not torch.equal(bits(wrong[0]), bits(kv[0])) and not torch.equal(bits(wrong[1]), bits(kv[1]))
     # and neither is the naive "last axis is K||V" reading that ExampleConnector does
     naive = cache[slots // 32, :, slots % 32]
     assert not torch.equal(bits(naive[..., :64]), bits(kv[0]))
 
 
-@pytest.mark.parametrize("cls", [CpuAttnAmxAdapter, CpuAttnVecAdapter])
+@pytest.mark.parametrize("cls", [CpuAttnAmxLayout, CpuAttnVecLayout])
 def test_cpu_attn_strided_blocks(cls):
     """Block and head strides come from the tensor: a view into a bigger (cross-layer) buffer works."""
     nb, h, bs, d = 4, 2, 32, 64
@@ -194,12 +194,12 @@ def test_cpu_attn_strided_blocks(cls):
     gen = torch.Generator().manual_seed(5)
     slots = odd_slots(nb, bs, gen)
     kv = random_bits((2, slots.numel(), h, d), torch.bfloat16, gen)
-    adapter = cls(g)
-    adapter.scatter(layer, slots, kv)
-    assert_bit_equal(adapter.gather(layer, slots), kv)
+    layout = cls(g)
+    layout.scatter(layer, slots, kv)
+    assert_bit_equal(layout.gather(layer, slots), kv)
     assert not bits(big[:, 0]).any() and not bits(big[:, 2]).any()  # other layers untouched
     dense = torch.zeros((nb, h, bs, 2 * d), dtype=torch.bfloat16)
-    adapter.scatter(dense, slots, kv)
+    layout.scatter(dense, slots, kv)
     assert torch.equal(bits(dense), bits(layer))
 
 
@@ -207,7 +207,7 @@ def test_cpu_attn_rejects_non_dense_pages():
     g = Geometry(2, 64, 32, torch.bfloat16)
     padded = torch.zeros((3, 2, 32, 256), dtype=torch.bfloat16)[..., :128]
     with pytest.raises(PagedLayoutError, match="dense"):
-        CpuAttnVecAdapter(g).gather(padded, torch.arange(4))
+        CpuAttnVecLayout(g).gather(padded, torch.arange(4))
 
 
 # ---- packed K||V (vLLM >= 0.28 GPU backends), any stride order -----------------------------
@@ -248,18 +248,18 @@ def test_packed_kv_by_definition(layout, dtype):
         value_cache[s // bs, s % bs] = kv[1, i]
     expected = bits(physical).clone()
 
-    adapter = adapter_for("FLASH_ATTN", layer, head_size=d, num_kv_heads=h)
-    assert isinstance(adapter, PackedKVAdapter) and adapter.layout_id == "packed-kv-v1"
-    assert_bit_equal(adapter.gather(layer, slots), kv)
+    layout = layout_for("FLASH_ATTN", layer, head_size=d, num_kv_heads=h)
+    assert isinstance(layout, PackedKVLayout) and layout.layout_id == "packed-kv-v1"
+    assert_bit_equal(layout.gather(layer, slots), kv)
     physical.zero_()
-    adapter.scatter(layer, slots, kv)
+    layout.scatter(layer, slots, kv)
     assert torch.equal(bits(physical), expected)  # same bytes, other layers untouched
 
 
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"])
 def test_packed_backends_share_one_layout(backend):
     cache = torch.zeros((2, 2, 16, 128), dtype=torch.float16)
-    assert adapter_for(backend, cache).layout_id == "packed-kv-v1"
+    assert layout_for(backend, cache).layout_id == "packed-kv-v1"
 
 
 # ---- split K/V (vLLM before the packed refactor) -------------------------------------------
@@ -285,11 +285,11 @@ def test_split_kv_by_definition(backend, kv_dim, hnd):
             part[s // bs, s % bs] = kv[which, i]
     expected = bits(physical).clone()
 
-    adapter = adapter_for(backend, cache)
-    assert isinstance(adapter, FlashSplitKVAdapter if kv_dim == 0 else FlashInferSplitKVAdapter)
-    assert_bit_equal(adapter.gather(cache, slots), kv)
+    layout = layout_for(backend, cache)
+    assert isinstance(layout, FlashSplitKVLayout if kv_dim == 0 else FlashInferSplitKVLayout)
+    assert_bit_equal(layout.gather(cache, slots), kv)
     physical.zero_()
-    adapter.scatter(cache, slots, kv)
+    layout.scatter(cache, slots, kv)
     assert torch.equal(bits(physical), expected)
 
 
@@ -303,18 +303,18 @@ def test_canonical_chunks_cross_layouts(real_kv_1k):
     slots_a = torch.randperm(8 * bs, generator=gen)[:96]
     slots_b = torch.randperm(8 * bs, generator=gen)[:96]
     caches = [
-        (CpuAttnAmxAdapter(g), torch.zeros((8, h, bs, 2 * d), dtype=kv.dtype)),
-        (CpuAttnVecAdapter(g), torch.zeros((8, h, bs, 2 * d), dtype=kv.dtype)),
-        (PackedKVAdapter(g), torch.zeros((8, h, bs, 2 * d), dtype=kv.dtype)),
-        (FlashSplitKVAdapter(g), torch.zeros((2, 8, bs, h, d), dtype=kv.dtype)),
-        (FlashInferSplitKVAdapter(g), torch.zeros((8, 2, bs, h, d), dtype=kv.dtype)),
+        (CpuAttnAmxLayout(g), torch.zeros((8, h, bs, 2 * d), dtype=kv.dtype)),
+        (CpuAttnVecLayout(g), torch.zeros((8, h, bs, 2 * d), dtype=kv.dtype)),
+        (PackedKVLayout(g), torch.zeros((8, h, bs, 2 * d), dtype=kv.dtype)),
+        (FlashSplitKVLayout(g), torch.zeros((2, 8, bs, h, d), dtype=kv.dtype)),
+        (FlashInferSplitKVLayout(g), torch.zeros((8, 2, bs, h, d), dtype=kv.dtype)),
     ]
     current = kv
-    for i, (adapter, cache) in enumerate(caches):
-        assert adapter.canonical and adapter.key_namespace == CANONICAL_NAMESPACE
+    for i, (layout, cache) in enumerate(caches):
+        assert layout.canonical and layout.key_namespace == CANONICAL_NAMESPACE
         slots = slots_a if i % 2 else slots_b
-        adapter.scatter(cache, slots, current)  # load a chunk gathered from the previous layout
-        current = adapter.gather(cache, slots)  # and save it again from this one
+        layout.scatter(cache, slots, current)  # load a chunk gathered from the previous layout
+        current = layout.gather(cache, slots)  # and save it again from this one
         assert_bit_equal(current, kv)
     assert len({a.layout_id for a, _ in caches}) == len(caches)
 
@@ -330,7 +330,7 @@ def test_slots_for_tokens_and_blocks():
 
 def test_slot_validation():
     g = Geometry(2, 32, 32, torch.bfloat16)
-    a = CpuAttnVecAdapter(g)
+    a = CpuAttnVecLayout(g)
     cache = torch.zeros((2, 2, 32, 64), dtype=torch.bfloat16)
     with pytest.raises(SlotError):
         a.gather(cache, torch.tensor([0, 64]))  # out of range
@@ -362,29 +362,29 @@ def test_factory_refuses_what_it_does_not_know():
     bf = torch.zeros((2, 3, 32, 128), dtype=torch.bfloat16)
     for backend in ("ROCM_ATTN", "FLASHMLA", "TORCH_SDPA", "TURBOQUANT"):
         with pytest.raises(UnknownLayoutError, match="refusing to guess"):
-            adapter_for(backend, bf)
+            layout_for(backend, bf)
     with pytest.raises(UnknownLayoutError, match="not verified|refusing"):
-        adapter_for("CPU_ATTN", bf, isa="neon")
+        layout_for("CPU_ATTN", bf, isa="neon")
     with pytest.raises(UnknownLayoutError):
-        adapter_for("CPU_ATTN", bf, isa="sve")
+        layout_for("CPU_ATTN", bf, isa="sve")
     with pytest.raises(UnknownLayoutError, match="fp8|quantised"):
-        adapter_for("FLASH_ATTN", torch.zeros((2, 3, 32, 128), dtype=torch.uint8))
+        layout_for("FLASH_ATTN", torch.zeros((2, 3, 32, 128), dtype=torch.uint8))
     with pytest.raises(UnknownLayoutError, match="quantised"):
-        adapter_for("FLASH_ATTN", bf, kv_cache_dtype="fp8_e4m3")
+        layout_for("FLASH_ATTN", bf, kv_cache_dtype="fp8_e4m3")
     with pytest.raises(UnknownLayoutError, match="padded"):
-        adapter_for("TRITON_ATTN", bf, head_size=48)  # content axis wider than 2*head_size
+        layout_for("TRITON_ATTN", bf, head_size=48)  # content axis wider than 2*head_size
     with pytest.raises(PagedLayoutError, match="kv heads"):
-        adapter_for("FLASH_ATTN", bf, num_kv_heads=4)
+        layout_for("FLASH_ATTN", bf, num_kv_heads=4)
     with pytest.raises(PagedLayoutError, match="kernel"):
-        adapter_for("FLASH_ATTN", bf, block_size=64)
+        layout_for("FLASH_ATTN", bf, block_size=64)
     with pytest.raises(PagedLayoutError, match="expected"):
-        adapter_for("FLASH_ATTN", bf, dtype=torch.float16)
+        layout_for("FLASH_ATTN", bf, dtype=torch.float16)
     with pytest.raises(UnknownLayoutError):
-        adapter_for("CPU_ATTN", torch.zeros((2, 2, 32, 3, 64), dtype=torch.bfloat16), isa="vec")
+        layout_for("CPU_ATTN", torch.zeros((2, 2, 32, 3, 64), dtype=torch.bfloat16), isa="vec")
     with pytest.raises(UnknownLayoutError):  # AMX needs block_size % 32 for bf16
-        adapter_for("CPU_ATTN", torch.zeros((2, 3, 16, 128), dtype=torch.bfloat16), isa="amx", verify=False)
+        layout_for("CPU_ATTN", torch.zeros((2, 3, 16, 128), dtype=torch.bfloat16), isa="amx", verify=False)
     with pytest.raises(PagedLayoutError):
-        adapter_for(object(), bf)
+        layout_for(object(), bf)
 
 
 def _fake_layer(backend: str, isa=None, **kw):
@@ -400,12 +400,12 @@ def _fake_layer(backend: str, isa=None, **kw):
 
 def test_factory_from_layer_and_config():
     bf = torch.zeros((2, 3, 32, 128), dtype=torch.bfloat16)
-    assert isinstance(adapter_for(_fake_layer("CPU_ATTN", isa="amx"), bf, verify=False), CpuAttnAmxAdapter)
-    assert isinstance(adapter_for(_fake_layer("CPU_ATTN", isa="vec"), bf, verify=False), CpuAttnVecAdapter)
+    assert isinstance(layout_for(_fake_layer("CPU_ATTN", isa="amx"), bf, verify=False), CpuAttnAmxLayout)
+    assert isinstance(layout_for(_fake_layer("CPU_ATTN", isa="vec"), bf, verify=False), CpuAttnVecLayout)
     with pytest.raises(UnknownLayoutError, match="differ"):
-        adapter_for(_fake_layer("FLASH_ATTN", head_size_v=32), bf)
+        layout_for(_fake_layer("FLASH_ATTN", head_size_v=32), bf)
     with pytest.raises(UnknownLayoutError, match="quantised"):
-        adapter_for(_fake_layer("CPU_ATTN", isa="vec", kv_cache_dtype="fp8"), bf)
+        layout_for(_fake_layer("CPU_ATTN", isa="vec", kv_cache_dtype="fp8"), bf)
 
     layers = {f"model.layers.{i}.self_attn.attn": _fake_layer("CPU_ATTN", isa="amx") for i in range(3)}
     config = SimpleNamespace(
@@ -415,13 +415,13 @@ def test_factory_from_layer_and_config():
     )
     caches = {name: torch.zeros((2, 3, 32, 128), dtype=torch.bfloat16) for name in layers}
     caches["model.layers.2.self_attn.attn"] = caches["model.layers.0.self_attn.attn"]  # KV sharing
-    adapters = adapters_for(config, caches, verify=False)
-    assert len({id(a) for a in adapters.values()}) == 1
-    assert isinstance(adapters["model.layers.1.self_attn.attn"], CpuAttnAmxAdapter)
-    assert isinstance(adapter_for(config, bf, layer_name="model.layers.1.self_attn.attn", verify=False), CpuAttnAmxAdapter)
+    layouts = layouts_for(config, caches, verify=False)
+    assert len({id(a) for a in layouts.values()}) == 1
+    assert isinstance(layouts["model.layers.1.self_attn.attn"], CpuAttnAmxLayout)
+    assert isinstance(layout_for(config, bf, layer_name="model.layers.1.self_attn.attn", verify=False), CpuAttnAmxLayout)
     shared = shared_kv_layers(caches)
     assert shared == {"model.layers.2.self_attn.attn": "model.layers.0.self_attn.attn"}
     with pytest.raises(PagedLayoutError):
-        adapter_for(config, bf, layer_name="nope")
+        layout_for(config, bf, layer_name="nope")
     with pytest.raises(PagedLayoutError, match="expected"):  # model dtype vs tensor dtype
-        adapter_for(config, bf.float(), verify=False)
+        layout_for(config, bf.float(), verify=False)

@@ -56,7 +56,7 @@ from vllm_kvcodec.codecs import video_av
 from vllm_kvcodec.codecs.base import Codec
 from vllm_kvcodec.codecs.registry import register_codec
 from vllm_kvcodec.codecs.validate import Reader
-from vllm_kvcodec.codecs.video_layout import LAYOUT_VERSION, Geometry, from_planes, geometry, to_planes
+from vllm_kvcodec.codecs.video_layout import LAYOUT_VERSION, FrameGeometry, from_planes, geometry, to_planes
 from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import CodecError, ConfigError
 
@@ -176,4 +176,4 @@ def join(exps: np.ndarray, signman: np.ndarray, dtype: DType) -> np.ndarray:
     return ((r & 0x800000) << 8) | (exps.astype(np.uint32) << 23) | (r & 0x7FFFFF)
 
 
-__all__ = ["Geometry", "VideoCodec", "geometry", "join", "split"]
+__all__ = ["FrameGeometry", "VideoCodec", "geometry", "join", "split"]

@@ -53,7 +53,7 @@ def _roundup(x: int, m: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Geometry:
+class FrameGeometry:
     """Where ``n`` exponent bytes sit in ``frames`` pictures of ``width`` x ``height`` x 3 planes."""
 
     n: int
@@ -77,7 +77,7 @@ class Geometry:
         return self.plane_rows * self.width
 
 
-def geometry(shape: tuple[int, ...]) -> Geometry:
+def geometry(shape: tuple[int, ...]) -> FrameGeometry:
     """Layout version 1 for a chunk of ``shape`` (ndim >= 1, every dimension >= 1)."""
     if not shape or any(int(d) < 1 for d in shape):
         raise ValueError(f"shape {tuple(shape)} is empty")
@@ -91,10 +91,10 @@ def geometry(shape: tuple[int, ...]) -> Geometry:
     rows = -(-n // row)
     frames = -(-rows // (PLANES * MAX_PLANE_HEIGHT))
     height = _roundup(max(MIN_SIDE, -(-rows // (PLANES * frames))), ALIGN)
-    return Geometry(n=n, row=row, width=width, height=height, frames=frames)
+    return FrameGeometry(n=n, row=row, width=width, height=height, frames=frames)
 
 
-def to_planes(exps: np.ndarray, geo: Geometry) -> np.ndarray:
+def to_planes(exps: np.ndarray, geo: FrameGeometry) -> np.ndarray:
     """Place ``n`` exponent bytes into a ``[frames, 3, height, width]`` uint8 array, padded."""
     flat = np.ascontiguousarray(exps, dtype=np.uint8).reshape(-1)
     if flat.size != geo.n:
@@ -112,7 +112,7 @@ def to_planes(exps: np.ndarray, geo: Geometry) -> np.ndarray:
     return buf.reshape(geo.frames, PLANES, geo.height, geo.width)
 
 
-def from_planes(planes: np.ndarray, geo: Geometry) -> np.ndarray:
+def from_planes(planes: np.ndarray, geo: FrameGeometry) -> np.ndarray:
     """Inverse of :func:`to_planes`: crop the padding, return ``n`` exponent bytes (a new array)."""
     buf = planes.reshape(geo.plane_rows, geo.width)
     return np.ascontiguousarray(buf[: geo.rows, : geo.row]).reshape(-1)[: geo.n].copy()

@@ -148,7 +148,7 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
-        """vLLM >= 0.33 sleep mode drops and remaps the KV caches; the worker keeps per-layer adapters,
+        """vLLM >= 0.33 sleep mode drops and remaps the KV caches; the worker keeps per-layer layouts,
         GPU pointer tables and loads in flight into those tensors, and has not been verified across a
         remap, so it says no rather than write into memory that moved."""
         return False

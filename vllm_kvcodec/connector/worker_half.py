@@ -33,7 +33,7 @@ from vllm_kvcodec.keys import Namespace, ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.malloc_tuning import reuse_large_buffers
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, SaveOutcome, SaveSpec
-from vllm_kvcodec.paged import CANONICAL_NAMESPACE, adapters_for, shared_kv_layers
+from vllm_kvcodec.paged import CANONICAL_NAMESPACE, layouts_for, shared_kv_layers
 from vllm_kvcodec.save.gather import SaveGather, save_gather_for
 from vllm_kvcodec.save.saver import Saver
 from vllm_kvcodec.stats import ConnectorStats
@@ -80,18 +80,18 @@ class WorkerHalf:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         shared = shared_kv_layers(kv_caches)
         own = {name: t for name, t in kv_caches.items() if name not in shared}
-        adapters = adapters_for(self.vllm_config, own)
+        layouts = layouts_for(self.vllm_config, own)
         names = sorted(own, key=layer_index)
         if len(names) != self.namespace.num_layers:
             raise ConfigError(f"expected {self.namespace.num_layers} KV layers, vLLM registered {len(names)}")
         for name in names:
-            if adapters[name].key_namespace != CANONICAL_NAMESPACE:
-                raise ConfigError(f"layer {name}: layout {adapters[name].layout_id} is not canonical; cannot share chunks")
+            if layouts[name].key_namespace != CANONICAL_NAMESPACE:
+                raise ConfigError(f"layer {name}: layout {layouts[name].layout_id} is not canonical; cannot share chunks")
         self._layer_of = {name: i for i, name in enumerate(names)}
         self._layer_of.update({name: self._layer_of[target] for name, target in shared.items()})
         caches = [own[n] for n in names]
-        ordered = [adapters[n] for n in names]
-        self.caches, self.adapters = caches, ordered
+        ordered = [layouts[n] for n in names]
+        self.caches, self.layouts = caches, ordered
         addresses = ObjectAddresses(self.namespace, self.tp_rank, tuple(self.groups))
         self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered,
                                               self.config.fetch_threads, self.stats, self.chooser.observe_transfer)

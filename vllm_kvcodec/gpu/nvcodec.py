@@ -125,7 +125,7 @@ class VideoPayload:
     signman: memoryview  # n bytes
     packet_sizes: tuple[int, ...]
     stream: memoryview  # the HEVC Annex B elementary stream (for backend "hevc")
-    geometry: Any  # video_layout.Geometry
+    geometry: Any  # video_layout.FrameGeometry
 
 
 def parse_video_payload(payload: bytes | memoryview, shape: tuple[int, ...]) -> VideoPayload:

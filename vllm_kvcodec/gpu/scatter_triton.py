@@ -1,6 +1,6 @@
 """Scatter and gather canonical KV into vLLM's packed K‖V paged layout with Triton, all layers in one launch.
 
-The layout is :class:`vllm_kvcodec.paged.PackedKVAdapter`'s (``packed-kv-v1``:
+The layout is :class:`vllm_kvcodec.paged.PackedKVLayout`'s (``packed-kv-v1``:
 FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTENTION in vLLM 0.32/0.33): each
 layer's cache is a *logical* ``[num_blocks, kv_heads, block_size, 2*head_size]``
 view with any strides (the content axis contiguous, as in every vLLM
@@ -9,7 +9,7 @@ layout), and for ``slot = block * block_size + offset``::
     cache[block, h, offset, :head_size] = K[token, h]
     cache[block, h, offset, head_size:] = V[token, h]
 
-The adapter does this with torch indexing, one layer per call (index
+The layout does this with torch indexing, one layer per call (index
 tensors, a ``torch.cat`` and an indexed copy per layer). Here one launch
 moves a whole layer group: the layers' caches are addressed through a device
 table of their base pointers (they share shape, strides and dtype, as all
@@ -202,16 +202,16 @@ class PackedPages:
         return layers
 
 
-def packed_pages_for(caches: Sequence[torch.Tensor], adapters: Sequence[Any]) -> "PackedPages | None":
-    """One pointer table over all layers when they are packed K‖V with one layout; else None (adapters scatter)."""
-    from vllm_kvcodec.paged import PackedKVAdapter
+def packed_pages_for(caches: Sequence[torch.Tensor], layouts: Sequence[Any]) -> "PackedPages | None":
+    """One pointer table over all layers when they are packed K‖V with one layout; else None (layouts scatter)."""
+    from vllm_kvcodec.paged import PackedKVLayout
 
-    if not all(type(a) is PackedKVAdapter for a in adapters):
+    if not all(type(a) is PackedKVLayout for a in layouts):
         return None
     first = caches[0]
     if first.stride(3) != 1 or any((c.shape, c.stride(), c.dtype) != (first.shape, first.stride(), first.dtype) for c in caches):
         return None
-    return PackedPages(caches, adapters[0].head_size)
+    return PackedPages(caches, layouts[0].head_size)
 
 
 __all__ = ["packed_pages_for", "PackedPages", "check_slots"]

@@ -625,7 +625,7 @@ class SplitZipGPU:
             return fmt.encode_chunk(kv, self.codec_id)
         shape = tuple(int(d) for d in kv.shape)
         payload = self.encode(kv).cpu().numpy()
-        return build_chunk(payload, shape)
+        return build_splitzip_chunk(payload, shape)
 
     def decode_chunk_gpu(self, blob: bytes | bytearray | memoryview, device: torch.device | str | None = None) -> torch.Tensor:
         from vllm_kvcodec import format as fmt
@@ -644,7 +644,7 @@ class SplitZipGPU:
         return self.decode(payload, header.shape, device=dev)
 
 
-def build_chunk(payload: np.ndarray | bytes, shape: tuple[int, ...]) -> bytes:
+def build_splitzip_chunk(payload: np.ndarray | bytes, shape: tuple[int, ...]) -> bytes:
     """A ``format`` chunk blob around a bfloat16 ``splitzip`` payload (what ``encode_chunk`` writes)."""
     from vllm_kvcodec import format as fmt
     from vllm_kvcodec.dtypes import DType
@@ -653,6 +653,6 @@ def build_chunk(payload: np.ndarray | bytes, shape: tuple[int, ...]) -> bytes:
 
 
 __all__ = [
-    "HIST_MODES", "device_payload_buffer", "SplitZipGPU", "can_run_on", "codebook_gpu", "interpreted", "build_chunk", "decode_splitzip_gpu", "decode_splitzip_gpu_async",
+    "HIST_MODES", "device_payload_buffer", "SplitZipGPU", "can_run_on", "codebook_gpu", "interpreted", "build_splitzip_chunk", "decode_splitzip_gpu", "decode_splitzip_gpu_async",
     "encode_splitzip_gpu", "encode_splitzip_gpu_bytes", "payload_size", "raise_if_invalid",
 ]

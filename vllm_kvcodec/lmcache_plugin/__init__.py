@@ -12,7 +12,7 @@ Enable it in an LMCache config, no code::
 This package imports lmcache; ``import vllm_kvcodec`` never imports it. See docs/lmcache.md.
 """
 
-from vllm_kvcodec.lmcache_plugin.adapter import KVCodecConnectorAdapter
-from vllm_kvcodec.lmcache_plugin.connector import KVCodecRemoteConnector
+from vllm_kvcodec.lmcache_plugin.connector_adapter import KVCodecConnectorAdapter
+from vllm_kvcodec.lmcache_plugin.remote_connector import KVCodecRemoteConnector
 
 __all__ = ["KVCodecConnectorAdapter", "KVCodecRemoteConnector"]

@@ -45,7 +45,7 @@ from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.gpu import splitzip_triton as sz
 from vllm_kvcodec.load.fetcher import Decoded, Fetcher, Placement
 from vllm_kvcodec.load.load_job import LoadJob
-from vllm_kvcodec.paged import PagedKVAdapter
+from vllm_kvcodec.paged import PagedLayout
 
 if TYPE_CHECKING:
     from vllm_kvcodec.stats import ConnectorStats
@@ -92,14 +92,14 @@ class CudaLoadJob(LoadJob):
 class CudaPlacement(Placement):
     """Decode and scatter on the device of the caches (or, for tests, a CPU in Triton's interpreter)."""
 
-    def __init__(self, caches: list[torch.Tensor], adapters: list[PagedKVAdapter], threads: int) -> None:
-        super().__init__(caches, adapters)
+    def __init__(self, caches: list[torch.Tensor], layouts: list[PagedLayout], threads: int) -> None:
+        super().__init__(caches, layouts)
         self.device = caches[0].device
         if not can_run_on(self.device):
             raise ConfigError(f"the GPU load path cannot run Triton kernels on {self.device} in this process")
         self.side = SideStream(self.device)
-        self.pages = packed_pages_for(caches, adapters)
-        self.num_slots = adapters[0].num_slots(caches[0])
+        self.pages = packed_pages_for(caches, layouts)
+        self.num_slots = layouts[0].num_slots(caches[0])
         self.staging = StagingPool(threads, pin=self.device.type == "cuda")
 
     def new_job(self, group_layers: list[list[int]], objects_per_group: int, req_ids: list[str]) -> CudaLoadJob:
@@ -147,7 +147,7 @@ class CudaPlacement(Placement):
                 self.pages.scatter(layers.start, part, decoded.slots)
                 return
             for i, layer in enumerate(layers):
-                self.adapters[layer].scatter(self.caches[layer], decoded.slots, part[i], check=False)
+                self.layouts[layer].scatter(self.caches[layer], decoded.slots, part[i], check=False)
 
 
 class CudaFetcher(Fetcher):
@@ -158,13 +158,13 @@ class CudaFetcher(Fetcher):
         store: Store,
         addresses: ObjectAddresses,
         caches: list[torch.Tensor],
-        adapters: list[PagedKVAdapter],
+        layouts: list[PagedLayout],
         threads: int,
         stats: ConnectorStats,
         observe_transfer: Callable[[int, float], None] | None = None,
     ) -> None:
-        placement = CudaPlacement(caches, adapters, threads)
-        super().__init__(store, addresses, caches, adapters, threads, stats, observe_transfer, placement)
+        placement = CudaPlacement(caches, layouts, threads)
+        super().__init__(store, addresses, caches, layouts, threads, stats, observe_transfer, placement)
         self.side, self.pages = placement.side, placement.pages
 
 

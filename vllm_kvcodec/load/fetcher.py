@@ -31,7 +31,7 @@ from storage import Store
 from vllm_kvcodec.format import ChunkHeader, decode_payload, read_header
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
-from vllm_kvcodec.paged import PagedKVAdapter
+from vllm_kvcodec.paged import PagedLayout
 
 if TYPE_CHECKING:  # imports vLLM; the fetcher itself must not (the GPU check runs without it)
     from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
@@ -61,8 +61,8 @@ class Decoded:
 class Placement(abc.ABC):
     """How one validated object reaches paged memory on one medium."""
 
-    def __init__(self, caches: list[torch.Tensor], adapters: list[PagedKVAdapter]) -> None:
-        self.caches, self.adapters = caches, adapters
+    def __init__(self, caches: list[torch.Tensor], layouts: list[PagedLayout]) -> None:
+        self.caches, self.layouts = caches, layouts
 
     def new_job(self, group_layers: list[list[int]], objects_per_group: int, req_ids: list[str]) -> LoadJob:
         return LoadJob(group_layers, objects_per_group, req_ids)
@@ -88,7 +88,7 @@ class HostPlacement(Placement):
     def scatter(self, layers: range, decoded: Decoded, first_token: int) -> None:
         part = decoded.kv[:, :, first_token : first_token + decoded.slots.numel()]
         for i, layer in enumerate(layers):
-            self.adapters[layer].scatter(self.caches[layer], decoded.slots, part[i], check=False)
+            self.layouts[layer].scatter(self.caches[layer], decoded.slots, part[i], check=False)
 
 
 class Fetcher:
@@ -97,7 +97,7 @@ class Fetcher:
         store: Store,
         addresses: ObjectAddresses,
         caches: list[torch.Tensor],
-        adapters: list[PagedKVAdapter],
+        layouts: list[PagedLayout],
         threads: int,
         stats: ConnectorStats,
         observe_transfer: Callable[[int, float], None] | None = None,
@@ -105,8 +105,8 @@ class Fetcher:
     ) -> None:
         self.store, self.addresses = store, addresses
         self.observe_transfer = observe_transfer  # feeds the link estimate of codec "auto"
-        self.groups, self.caches, self.adapters, self.stats = addresses.groups, caches, adapters, stats
-        self.placement = placement if placement is not None else HostPlacement(caches, adapters)
+        self.groups, self.caches, self.layouts, self.stats = addresses.groups, caches, layouts, stats
+        self.placement = placement if placement is not None else HostPlacement(caches, layouts)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-fetch", initializer=_one_torch_thread)
 
     def submit(self, specs: list[LoadSpec], timeout_s: float) -> LoadJob:
@@ -163,7 +163,7 @@ class Fetcher:
 
     def _check(self, header: ChunkHeader, num_layers: int) -> None:
         """The object must hold exactly one layer group of one chunk of this engine's KV, before anything is decoded."""
-        a = self.adapters[self.groups[0][0]]
+        a = self.layouts[self.groups[0][0]]
         expected = (num_layers, 2, self.addresses.namespace.chunk_size, a.num_kv_heads, a.head_size)
         if header.shape != expected or header.dtype.torch_dtype != a.dtype:
             raise LoadError(f"stored object holds {header.shape} {header.dtype.name.lower()}, expected {expected} {a.dtype}")

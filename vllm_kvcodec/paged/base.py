@@ -1,12 +1,12 @@
-"""The adapter interface: canonical KV in and out of one layer's paged memory.
+"""The layout interface: canonical KV in and out of one layer's paged memory.
 
-A *paged-memory adapter* is the only object in vllm-kvcodec that knows how an
+A *page layout* is the only object in vllm-kvcodec that knows how an
 attention backend lays K and V out inside vLLM's KV cache blocks. Everything
 else (codecs, chunk format, store, fetcher) sees the canonical layout::
 
     [2 (K, V), tokens, kv_heads, head_dim]     per layer, in the model's dtype
 
-An adapter is bound to one geometry (block size, kv heads, head size, dtype)
+A layout is bound to one geometry (block size, kv heads, head size, dtype)
 and is stateless otherwise, so one instance serves every layer that shares the
 geometry. It never keeps a reference to a cache tensor: each call gets the
 tensor vLLM handed to ``KVConnectorBase_V1.register_kv_caches`` (or the
@@ -15,7 +15,7 @@ tensor vLLM handed to ``KVConnectorBase_V1.register_kv_caches`` (or the
 Slots
     ``slot = block_id * block_size + offset_in_block`` (int32/int64, one per
     token, any order, any blocks; partial blocks are fine). ``block_size`` is
-    the *kernel* block size, i.e. the token axis of the tensor the adapter is
+    the *kernel* block size, i.e. the token axis of the tensor the layout is
     given (``kv_cache.shape[2]``). Slot ids do not change when vLLM splits a
     manager block into kernel blocks, because kernel blocks are dense
     sub-pages: ``(b * r + j) * (bs / r) + o == b * bs + j * (bs / r) + o``.
@@ -24,17 +24,17 @@ Slots
 
 Identity: ``layout_id`` and ``canonical``
     ``layout_id`` names the byte layout of one (block, head) page, e.g.
-    ``"cpu_attn-amx-v1"``; two adapters with the same id read and write the
+    ``"cpu_attn-amx-v1"``; two layouts with the same id read and write the
     same bytes. ``canonical`` is True when :meth:`gather` returns exactly the
     K/V values the model computed (no quantisation, no padding) and
     :meth:`scatter` writes them back bit-exactly, which is the case for every
-    adapter in this package. Chunks gathered by canonical adapters are
+    layout in this package. Chunks gathered by canonical layouts are
     interchangeable across layouts: a chunk saved on an AMX machine
     (``cpu_attn-amx-v1``) loads bit-exactly into a FlashAttention cache
     (``packed-kv-v1``). The connector should therefore key chunks with
-    :attr:`PagedKVAdapter.key_namespace`, which is the shared
-    ``"canonical-v1"`` for canonical adapters and the ``layout_id`` for a
-    non-canonical one (e.g. a future fp8 adapter), so that chunks of a
+    :attr:`PagedLayout.key_namespace`, which is the shared
+    ``"canonical-v1"`` for canonical layouts and the ``layout_id`` for a
+    non-canonical one (e.g. a future fp8 layout), so that chunks of a
     non-canonical layout are only ever found by the same layout.
     (vLLM's own ``ExampleConnector`` copies pages raw, which is why a store
     written on an AMX machine decodes to garbage on a non-AMX one.)
@@ -50,23 +50,23 @@ import torch
 
 from vllm_kvcodec.errors import ConfigError
 
-#: Namespace shared by every canonical adapter (see the module docstring).
+#: Namespace shared by every canonical layout (see the module docstring).
 CANONICAL_NAMESPACE = "canonical-v1"
 
-#: dtypes a canonical adapter can hold (what a chunk can hold, see dtypes.py).
+#: dtypes a canonical layout can hold (what a chunk can hold, see dtypes.py).
 CANONICAL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class PagedLayoutError(ConfigError):
-    """A KV cache tensor does not have the layout, geometry or dtype an adapter expects."""
+    """A KV cache tensor does not have the layout, geometry or dtype a layout expects."""
 
 
 class UnknownLayoutError(PagedLayoutError):
-    """No adapter is known (or verified) for this backend / ISA / dtype: we never guess."""
+    """No layout is known (or verified) for this backend / ISA / dtype: we never guess."""
 
 
 class LayoutMismatchError(PagedLayoutError):
-    """vLLM's own write op put bytes where the chosen adapter does not expect them."""
+    """vLLM's own write op put bytes where the chosen layout does not expect them."""
 
 
 class SlotError(PagedLayoutError, IndexError):
@@ -94,12 +94,12 @@ class Geometry:
                 raise PagedLayoutError(f"{name} must be a positive int, got {value!r}")
         if self.dtype not in CANONICAL_DTYPES:
             raise UnknownLayoutError(
-                f"KV cache dtype {self.dtype} is not supported: adapters move bfloat16, float16 "
+                f"KV cache dtype {self.dtype} is not supported: layouts move bfloat16, float16 "
                 "or float32 KV bit-exactly; quantised caches (fp8/nvfp4) are not canonical"
             )
 
 
-class PagedKVAdapter(abc.ABC):
+class PagedLayout(abc.ABC):
     """Gather/scatter canonical ``[2, tokens, kv_heads, head_dim]`` KV by slot mapping.
 
     Subclasses implement :meth:`_gather` and :meth:`_scatter` on validated
@@ -209,11 +209,11 @@ class PagedKVAdapter(abc.ABC):
 
     # ---- validation -----------------------------------------------------------------
     def check_cache(self, layer_cache: torch.Tensor) -> None:
-        """Raise :class:`PagedLayoutError` unless ``layer_cache`` fits this adapter."""
+        """Raise :class:`PagedLayoutError` unless ``layer_cache`` fits this layout."""
         if not isinstance(layer_cache, torch.Tensor):
             raise PagedLayoutError(f"expected a torch.Tensor KV cache, got {type(layer_cache).__name__}")
         if layer_cache.dtype != self.geometry.dtype:
-            raise PagedLayoutError(f"KV cache dtype {layer_cache.dtype} != adapter dtype {self.geometry.dtype}")
+            raise PagedLayoutError(f"KV cache dtype {layer_cache.dtype} != layout dtype {self.geometry.dtype}")
         self._check_shape(layer_cache)
 
     def num_slots(self, layer_cache: torch.Tensor) -> int:

@@ -49,7 +49,7 @@ import torch
 from vllm_kvcodec.paged.base import (
     Geometry,
     LayoutMismatchError,
-    PagedKVAdapter,
+    PagedLayout,
     PagedLayoutError,
     UnknownLayoutError,
 )
@@ -60,9 +60,9 @@ KNOWN_ISAS = ("amx", "vec", "vec16")
 REFUSED_ISAS = ("neon", "vxe", "vsx", "rvv")
 
 
-class _CpuAttnAdapter(PagedKVAdapter):
+class _CpuAttnLayout(PagedLayout):
     backends = ("CPU_ATTN",)
-    #: the ISA string this adapter reproduces (what ``layer.isa`` holds)
+    #: the ISA string this layout reproduces (what ``layer.isa`` holds)
     isa: str
 
     def num_blocks(self, layer_cache: torch.Tensor) -> int:
@@ -84,7 +84,7 @@ class _CpuAttnAdapter(PagedKVAdapter):
         return c.as_strided((c.shape[0], c.shape[1], *size), (c.stride(0), c.stride(1), *stride), offset)
 
 
-class CpuAttnVecAdapter(_CpuAttnAdapter):
+class CpuAttnVecLayout(_CpuAttnLayout):
     """CPU_ATTN with the VEC kernel: K half ``[head_size, block_size]``, V half ``[block_size, head_size]``."""
 
     layout_id = "cpu_attn-vec-v1"
@@ -109,13 +109,13 @@ class CpuAttnVecAdapter(_CpuAttnAdapter):
         v[blk, :, off, :] = kv[1]
 
 
-class CpuAttnVec16Adapter(CpuAttnVecAdapter):
+class CpuAttnVec16Layout(CpuAttnVecLayout):
     """CPU_ATTN with the VEC16 kernel: the same bytes as VEC (verified), hence the same ``layout_id``."""
 
     isa = "vec16"
 
 
-class CpuAttnAmxAdapter(_CpuAttnAdapter):
+class CpuAttnAmxLayout(_CpuAttnLayout):
     """CPU_ATTN with the AMX kernel: dword-packed tiles (see the module docstring)."""
 
     layout_id = "cpu_attn-amx-v1"
@@ -188,16 +188,16 @@ def kernel_isa(isa: str, head_size: int) -> str:
     return isa
 
 
-_ADAPTERS: dict[str, type[_CpuAttnAdapter]] = {
-    "amx": CpuAttnAmxAdapter,
-    "vec": CpuAttnVecAdapter,
-    "vec16": CpuAttnVec16Adapter,
+_LAYOUTS: dict[str, type[_CpuAttnLayout]] = {
+    "amx": CpuAttnAmxLayout,
+    "vec": CpuAttnVecLayout,
+    "vec16": CpuAttnVec16Layout,
 }
 
 
-def cpu_attn_adapter(isa: str, geometry: Geometry) -> _CpuAttnAdapter:
-    """The adapter for a CPU_ATTN layer whose ``layer.isa`` is ``isa``."""
-    return _ADAPTERS[kernel_isa(isa, geometry.head_size)](geometry)
+def cpu_attn_layout(isa: str, geometry: Geometry) -> _CpuAttnLayout:
+    """The layout for a CPU_ATTN layer whose ``layer.isa`` is ``isa``."""
+    return _LAYOUTS[kernel_isa(isa, geometry.head_size)](geometry)
 
 
 def engine_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> str:
@@ -212,7 +212,7 @@ def engine_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dty
     return _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
 
 
-# ---- vLLM's own write op: the reference the adapters are checked against ------------------
+# ---- vLLM's own write op: the reference the layouts are checked against ------------------
 def vllm_write_op_available() -> bool:
     try:
         import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
@@ -240,15 +240,15 @@ def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Ge
     return torch.randint(info.min, info.max, shape, dtype=wide, generator=generator).view(dtype)
 
 
-def verify_with_vllm_op(adapter: _CpuAttnAdapter, isa: str | None = None) -> None:
-    """Check ``adapter`` against vLLM's op on a 2-block scratch cache; raise on any difference.
+def verify_with_vllm_op(layout: _CpuAttnLayout, isa: str | None = None) -> None:
+    """Check ``layout`` against vLLM's op on a 2-block scratch cache; raise on any difference.
 
-    Costs well under a millisecond; :func:`~vllm_kvcodec.paged.factory.adapter_for`
+    Costs well under a millisecond; :func:`~vllm_kvcodec.paged.factory.layout_for`
     runs it so that a vLLM build with a changed kernel fails loudly instead of
     storing scrambled KV.
     """
-    g = adapter.geometry
-    isa = isa or adapter.isa
+    g = layout.geometry
+    isa = isa or layout.isa
     gen = torch.Generator().manual_seed(0)
     slots = torch.randperm(2 * g.block_size, generator=gen)[: g.block_size + 3]
     kv = _random_bits((2, slots.numel(), g.num_kv_heads, g.head_size), g.dtype, gen)
@@ -258,12 +258,12 @@ def verify_with_vllm_op(adapter: _CpuAttnAdapter, isa: str | None = None) -> Non
     except RuntimeError as exc:
         raise UnknownLayoutError(f"vLLM's CPU_ATTN write op refuses isa={isa!r} for {g}: {exc}") from None
     mine = torch.zeros_like(ref)
-    adapter.scatter(mine, slots, kv)
+    layout.scatter(mine, slots, kv)
     bits = torch.int32 if g.dtype.itemsize == 4 else torch.int16
     if not torch.equal(ref.view(bits), mine.view(bits)):
         raise LayoutMismatchError(
-            f"{adapter.layout_id} does not match the bytes vLLM's cpu_attn_reshape_and_cache "
+            f"{layout.layout_id} does not match the bytes vLLM's cpu_attn_reshape_and_cache "
             f"writes for isa={isa!r}, {g}; the installed vLLM changed its CPU page layout"
         )
-    if not torch.equal(adapter.gather(ref, slots).view(bits), kv.view(bits)):
-        raise LayoutMismatchError(f"{adapter.layout_id} gather disagrees with vLLM's op for isa={isa!r}")
+    if not torch.equal(layout.gather(ref, slots).view(bits), kv.view(bits)):
+        raise LayoutMismatchError(f"{layout.layout_id} gather disagrees with vLLM's op for isa={isa!r}")

@@ -1,10 +1,10 @@
-"""Pick the adapter for a KV cache tensor; refuse, with a reason, anything unknown.
+"""Pick the layout for a KV cache tensor; refuse, with a reason, anything unknown.
 
 The attention backend decides the layout, the tensor decides the geometry:
 
 - ``CPU_ATTN``: ``[num_blocks, kv_heads, block_size, 2*head_size]``; the page
   interior depends on the ISA string of the layer (``layer.isa``): ``amx`` ->
-  :class:`CpuAttnAmxAdapter`, ``vec`` / ``vec16`` (and every head size that is
+  :class:`CpuAttnAmxLayout`, ``vec`` / ``vec16`` (and every head size that is
   not a multiple of 32) -> the VEC layout. Checked against vLLM's own write op
   before it is returned (``verify``), when that op is importable.
 - ``FLASH_ATTN`` / ``FLASHINFER`` / ``TRITON_ATTN`` / ``FLEX_ATTENTION``: the
@@ -24,12 +24,12 @@ import torch
 from vllm_kvcodec.paged.base import (
     CANONICAL_DTYPES,
     Geometry,
-    PagedKVAdapter,
+    PagedLayout,
     PagedLayoutError,
     UnknownLayoutError,
 )
 from vllm_kvcodec.paged.cpu_attn import (
-    cpu_attn_adapter,
+    cpu_attn_layout,
     engine_isa,
     kernel_isa,
     verify_with_vllm_op,
@@ -37,9 +37,9 @@ from vllm_kvcodec.paged.cpu_attn import (
 )
 from vllm_kvcodec.paged.packed import (
     PACKED_BACKENDS,
-    FlashInferSplitKVAdapter,
-    FlashSplitKVAdapter,
-    PackedKVAdapter,
+    FlashInferSplitKVLayout,
+    FlashSplitKVLayout,
+    PackedKVLayout,
 )
 
 _ALIASES = {
@@ -55,7 +55,7 @@ _UNQUANTISED_CACHE_DTYPES = frozenset({"auto", "bfloat16", "float16", "half", "f
 Verify = bool | Literal["auto"]
 
 
-def adapter_for(
+def layout_for(
     source: Any,
     kv_cache: torch.Tensor,
     *,
@@ -67,8 +67,8 @@ def adapter_for(
     kv_cache_dtype: str | None = None,
     layer_name: str | None = None,
     verify: Verify = "auto",
-) -> PagedKVAdapter:
-    """The adapter for one layer's ``kv_cache`` (as passed to ``register_kv_caches``).
+) -> PagedLayout:
+    """The layout for one layer's ``kv_cache`` (as passed to ``register_kv_caches``).
 
     ``source`` says which attention backend wrote the cache: its name
     (``"CPU_ATTN"``, ``"FLASH_ATTN"``, ...), an ``AttentionBackend`` class, a
@@ -80,7 +80,7 @@ def adapter_for(
     against the tensor; ``block_size`` is the *kernel* block size, which is
     the tensor's token axis.
 
-    ``verify``: ``"auto"`` checks CPU_ATTN adapters against vLLM's own write op
+    ``verify``: ``"auto"`` checks CPU_ATTN layouts against vLLM's own write op
     whenever it is importable, ``True`` requires that check, ``False`` skips it.
     """
     backend, info = _resolve_source(source, layer_name)
@@ -122,42 +122,42 @@ def adapter_for(
             isa = engine_isa(
                 kv_cache.dtype, geometry.block_size, geometry.head_size, _dtype_name(kv_cache_dtype or "auto")
             )
-        adapter = cpu_attn_adapter(isa, geometry)
+        layout = cpu_attn_layout(isa, geometry)
         if verify is True or (verify == "auto" and kv_cache.device.type == "cpu"):
             if vllm_write_op_available():
-                verify_with_vllm_op(adapter, isa)
+                verify_with_vllm_op(layout, isa)
             elif verify is True:
                 raise UnknownLayoutError("verify=True but vLLM's cpu_attn_reshape_and_cache op is not importable")
-        adapter.check_cache(kv_cache)
-        return adapter
+        layout.check_cache(kv_cache)
+        return layout
 
     if backend in PACKED_BACKENDS:
         if kv_cache.dim() == 4:
-            adapter = PackedKVAdapter(geometry)
+            layout = PackedKVLayout(geometry)
         elif kv_cache.dim() == 5 and backend == "FLASH_ATTN":
-            adapter = FlashSplitKVAdapter(geometry)
+            layout = FlashSplitKVLayout(geometry)
         elif kv_cache.dim() == 5 and backend == "FLASHINFER":
-            adapter = FlashInferSplitKVAdapter(geometry)
+            layout = FlashInferSplitKVLayout(geometry)
         else:
             raise UnknownLayoutError(f"{backend}: no known layout for a KV cache of shape {tuple(kv_cache.shape)}")
-        adapter.check_cache(kv_cache)
-        return adapter
+        layout.check_cache(kv_cache)
+        return layout
 
     raise UnknownLayoutError(
-        f"no paged-memory adapter for attention backend {backend!r} "
+        f"no page layout for attention backend {backend!r} "
         f"(known: {', '.join(KNOWN_BACKENDS)}); refusing to guess its layout"
     )
 
 
-def adapters_for(vllm_config: Any, kv_caches: dict[str, torch.Tensor], **kwargs: Any) -> dict[str, PagedKVAdapter]:
-    """One adapter per layer of ``register_kv_caches``' dict (shared where the geometry is equal).
+def layouts_for(vllm_config: Any, kv_caches: dict[str, torch.Tensor], **kwargs: Any) -> dict[str, PagedLayout]:
+    """One layout per layer of ``register_kv_caches``' dict (shared where the geometry is equal).
 
     Layers that share one KV cache tensor with an earlier layer (cross-layer
-    KV sharing, see :func:`shared_kv_layers`) get an adapter too; the
+    KV sharing, see :func:`shared_kv_layers`) get a layout too; the
     connector should save/load only the target layer.
     """
-    out: dict[str, PagedKVAdapter] = {}
-    seen: dict[tuple, PagedKVAdapter] = {}
+    out: dict[str, PagedLayout] = {}
+    seen: dict[tuple, PagedLayout] = {}
     for name, cache in kv_caches.items():
         layer = _layer(vllm_config, name)
         sig = (
@@ -168,7 +168,7 @@ def adapters_for(vllm_config: Any, kv_caches: dict[str, torch.Tensor], **kwargs:
             cache.dim(),
         )
         if sig not in seen:
-            seen[sig] = adapter_for(layer, cache, **kwargs)
+            seen[sig] = layout_for(layer, cache, **kwargs)
         else:
             seen[sig].check_cache(cache)
         out[name] = seen[sig]
@@ -270,9 +270,9 @@ def _geometry(
     if block_size is not None and block_size != n:
         raise PagedLayoutError(
             f"{backend}: cache blocks hold {n} tokens, expected {block_size}; with kernel block "
-            "splitting the adapter's block size is the tensor's (kernel) block size"
+            "splitting the layout's block size is the tensor's (kernel) block size"
         )
     return Geometry(num_kv_heads=int(h), head_size=int(d), block_size=int(n), dtype=t.dtype)
 
 
-__all__ = ["adapter_for", "adapters_for", "shared_kv_layers", "kernel_isa", "KNOWN_BACKENDS"]
+__all__ = ["layout_for", "layouts_for", "shared_kv_layers", "kernel_isa", "KNOWN_BACKENDS"]

@@ -16,7 +16,7 @@ Packed K‖V (``packed-kv-v1``): FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTEN
     of ``[L, B, H, N, C]`` chosen once per engine (``KVCacheLayout``:
     ``LBNHC`` = legacy "NHD", the default for these backends; ``LBHNC`` =
     "HND"; the block-outer ``BL..`` forms interleave layers inside a block).
-    Since this adapter indexes the logical view, every stride order works
+    Since this layout indexes the logical view, every stride order works
     unchanged; ``get_kv_cache_shape`` / ``get_kv_cache_stride_order`` no longer
     exist. Same logical view as CPU_ATTN, but here the last axis really is
     K‖V per token, while CPU_ATTN reinterprets the page bytes (see cpu_attn.py).
@@ -29,7 +29,7 @@ Split K/V, vLLM before the refactor (``flash-split-v1``, ``flashinfer-split-v1``
     ``(2, num_blocks, block_size, num_kv_heads, head_size)`` and FlashInfer
     ``(num_blocks, 2, block_size, num_kv_heads, head_size)``, physically
     permuted by ``get_kv_cache_stride_order`` (NHD: identity, HND: heads before
-    tokens). Again the adapters index the logical view, so either stride order
+    tokens). Again the layouts index the logical view, so either stride order
     works. Kept for engines pinned to those versions.
 """
 
@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import torch
 
-from vllm_kvcodec.paged.base import PagedKVAdapter, PagedLayoutError
+from vllm_kvcodec.paged.base import PagedLayout, PagedLayoutError
 
 #: Backends of vLLM >= 0.28 whose non-quantised caches are the packed K‖V view.
 PACKED_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 
 
-class PackedKVAdapter(PagedKVAdapter):
+class PackedKVLayout(PagedLayout):
     """Logical ``[num_blocks, kv_heads, block_size, 2*head_size]``, K‖V per token; any strides."""
 
     layout_id = "packed-kv-v1"
@@ -67,7 +67,7 @@ class PackedKVAdapter(PagedKVAdapter):
         c[blk, :, off] = torch.cat((kv[0], kv[1]), dim=-1)
 
 
-class SplitKVAdapter(PagedKVAdapter):
+class SplitKVLayout(PagedLayout):
     """Pre-refactor 5-D caches with a separate K/V axis at ``kv_dim`` (0: FlashAttention, 1: FlashInfer)."""
 
     kv_dim: int = 0
@@ -101,7 +101,7 @@ class SplitKVAdapter(PagedKVAdapter):
             c[blk, :, off] = kv.transpose(0, 1)
 
 
-class FlashSplitKVAdapter(SplitKVAdapter):
+class FlashSplitKVLayout(SplitKVLayout):
     """FlashAttention before the refactor: ``(2, num_blocks, block_size, kv_heads, head_size)``."""
 
     layout_id = "flash-split-v1"
@@ -109,7 +109,7 @@ class FlashSplitKVAdapter(SplitKVAdapter):
     kv_dim = 0
 
 
-class FlashInferSplitKVAdapter(SplitKVAdapter):
+class FlashInferSplitKVLayout(SplitKVLayout):
     """FlashInfer before the refactor: ``(num_blocks, 2, block_size, kv_heads, head_size)``."""
 
     layout_id = "flashinfer-split-v1"

@@ -24,24 +24,24 @@ import torch
 from vllm_kvcodec.gpu.scatter_triton import check_slots, packed_pages_for
 from vllm_kvcodec.gpu.side_stream import SideStream
 from vllm_kvcodec.outcomes import SaveOutcome
-from vllm_kvcodec.paged import PagedKVAdapter
+from vllm_kvcodec.paged import PagedLayout
 from vllm_kvcodec.save.gather import SaveGather, SaveSpecLike
 
 logger = logging.getLogger("vllm_kvcodec")
 
 
 class CudaSaveGather(SaveGather):
-    def __init__(self, caches: list[torch.Tensor], adapters: list[PagedKVAdapter], saver: Any) -> None:
-        super().__init__(caches, adapters, saver)
+    def __init__(self, caches: list[torch.Tensor], layouts: list[PagedLayout], saver: Any) -> None:
+        super().__init__(caches, layouts, saver)
         self.side = SideStream(caches[0].device)
-        self.pages = packed_pages_for(caches, adapters)
-        self.num_slots = adapters[0].num_slots(caches[0])
+        self.pages = packed_pages_for(caches, layouts)
+        self.num_slots = layouts[0].num_slots(caches[0])
         self._buffers: dict[int, torch.Tensor] = {}
         self._slots: dict[int, torch.Tensor] = {}
         self._handoff = ThreadPoolExecutor(1, thread_name_prefix="kvcodec-d2h")
 
     def _copy(self, index: int, layer: int, kv_layer: torch.Tensor, slots: list[int]) -> None:
-        a = self.adapters[layer]
+        a = self.layouts[layer]
         self.side.side_waits_for_compute()
         with self.side.active():
             if index not in self._buffers:

@@ -29,21 +29,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from vllm_kvcodec.paged import PagedKVAdapter
+    from vllm_kvcodec.paged import PagedLayout
 
 #: ``(req_id, chunk_hash, slots)`` of one chunk to save (a :class:`~vllm_kvcodec.connector.metadata.SaveSpec`).
 SaveSpecLike = Any
 
 
 class SaveGather(abc.ABC):
-    def __init__(self, caches: list[torch.Tensor], adapters: list["PagedKVAdapter"], saver: Any) -> None:
-        self.caches, self.adapters, self.saver = caches, adapters, saver
+    def __init__(self, caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: Any) -> None:
+        self.caches, self.layouts, self.saver = caches, layouts, saver
         self._step: Sequence[SaveSpecLike] | None = None
         self._admitted: dict[int, int] = {}  # save index -> reserved bytes
         self._layers_done: dict[int, int] = {}
 
     def chunk_nbytes(self, tokens: int) -> int:
-        a = self.adapters[0]
+        a = self.layouts[0]
         return len(self.caches) * 2 * tokens * a.num_kv_heads * a.head_size * a.dtype.itemsize
 
     # ---- per layer (save_kv_layer) --------------------------------------------------
@@ -101,19 +101,19 @@ class SaveGather(abc.ABC):
 class CpuSaveGather(SaveGather):
     """Gather on the engine's thread with each layer's page layout, into one host buffer per chunk."""
 
-    def __init__(self, caches: list[torch.Tensor], adapters: list["PagedKVAdapter"], saver: Any) -> None:
-        super().__init__(caches, adapters, saver)
+    def __init__(self, caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: Any) -> None:
+        super().__init__(caches, layouts, saver)
         self._buffers: dict[int, torch.Tensor] = {}
         self._slots: dict[int, torch.Tensor] = {}
 
     def _copy(self, index: int, layer: int, kv_layer: torch.Tensor, slots: list[int]) -> None:
         buf = self._buffers.get(index)
         if buf is None:
-            a = self.adapters[0]
+            a = self.layouts[0]
             shape = (len(self.caches), 2, len(slots), a.num_kv_heads, a.head_size)
             buf = self._buffers[index] = torch.empty(shape, dtype=a.dtype)
             self._slots[index] = torch.tensor(slots, dtype=torch.int64)
-        self.adapters[layer].gather(kv_layer, self._slots[index], out=buf[layer], check=False)
+        self.layouts[layer].gather(kv_layer, self._slots[index], out=buf[layer], check=False)
 
     def _hand_over(self, index: int, spec: SaveSpecLike, nbytes: int) -> None:
         self.saver.submit(spec.chunk_hash, self._buffers[index], spec.req_id, reserved=True)
@@ -123,10 +123,10 @@ class CpuSaveGather(SaveGather):
         self._slots.clear()
 
 
-def save_gather_for(caches: list[torch.Tensor], adapters: list["PagedKVAdapter"], saver: Any) -> SaveGather:
+def save_gather_for(caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: Any) -> SaveGather:
     """The gather for where vLLM keeps the KV caches: a CUDA device, or host memory."""
     if caches[0].is_cuda:
         from vllm_kvcodec.save.cuda_gather import CudaSaveGather
 
-        return CudaSaveGather(caches, adapters, saver)
-    return CpuSaveGather(caches, adapters, saver)
+        return CudaSaveGather(caches, layouts, saver)
+    return CpuSaveGather(caches, layouts, saver)

@@ -6,7 +6,7 @@ odd cases: request block tables in random, non-contiguous order, a chunk whose
 first tokens are already cached (a partial first block), several codecs (the
 bf16 ``splitzip`` decodes on the device, the others on the CPU), and the
 physical stride orders vLLM 0.33 uses for the packed K‖V layout. The expected
-caches come from :class:`~vllm_kvcodec.paged.PackedKVAdapter` (torch indexing
+caches come from :class:`~vllm_kvcodec.paged.PackedKVLayout` (torch indexing
 on the CPU: what the CPU fetcher writes). Imports no vLLM.
 """
 
@@ -22,7 +22,7 @@ import torch
 from storage import open_store
 from vllm_kvcodec.format import encode_chunk
 from vllm_kvcodec.keys import Namespace, ObjectAddresses
-from vllm_kvcodec.paged import Geometry, PackedKVAdapter
+from vllm_kvcodec.paged import Geometry, PackedKVLayout
 
 #: Physical orders of the 4-D logical view [blocks, heads, block_size, 2*head]:
 #: vLLM 0.33's NHD default (LBNHC: tokens before heads) and HND (LBHNC).
@@ -87,9 +87,9 @@ class Scenario:
         return [whole[i].transpose(1, 2) if order == "NHD" else whole[i] for i in range(layers)]
 
     def expected(self, failed_chunks: set[tuple[str, int]] = frozenset()) -> list[torch.Tensor]:
-        """What a correct load leaves in the caches (CPU, adapter scatter); ``failed_chunks``: (hash, group) left out."""
+        """What a correct load leaves in the caches (CPU, layout scatter); ``failed_chunks``: (hash, group) left out."""
         caches = self.caches("cpu")
-        adapter = PackedKVAdapter(self.geometry)
+        layout = PackedKVLayout(self.geometry)
         for spec in self.specs:
             for chunk in spec.chunks:
                 start = self.index[chunk.chunk_hash] * self.chunk_size + chunk.first_token
@@ -99,7 +99,7 @@ class Scenario:
                         continue
                     for layer in layers:
                         part = self.kv[layer, :, start : start + len(chunk.slots)].contiguous()
-                        adapter.scatter(caches[layer], slots, part)
+                        layout.scatter(caches[layer], slots, part)
         return caches
 
 

@@ -43,7 +43,7 @@ from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.keys import Namespace, ObjectAddresses, chunk_hashes
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
-from vllm_kvcodec.paged import CANONICAL_NAMESPACE, CpuAttnVecAdapter, Geometry
+from vllm_kvcodec.paged import CANONICAL_NAMESPACE, CpuAttnVecLayout, Geometry
 from vllm_kvcodec.save.saver import Saver
 from vllm_kvcodec.stats import ConnectorStats
 
@@ -107,11 +107,11 @@ class _Bench:
         self.addresses = ObjectAddresses(namespace, 0, groups)
         self.faults, self.chunks, self.stats = faults, chunks, ConnectorStats()
         self.hashes = chunk_hashes(namespace, list(range(len(chunks) * CHUNK)), len(chunks))
-        self.adapter = CpuAttnVecAdapter(Geometry(heads, head_dim, CHUNK, kv.dtype))
+        self.layout = CpuAttnVecLayout(Geometry(heads, head_dim, CHUNK, kv.dtype))
         self.caches = [torch.full((TARGET_BLOCKS, heads, CHUNK, 2 * head_dim), POISON, dtype=kv.dtype)
                        for _ in range(layers)]
         self._save(store)
-        self.fetcher = Fetcher(store, self.addresses, self.caches, [self.adapter] * layers, threads, self.stats)
+        self.fetcher = Fetcher(store, self.addresses, self.caches, [self.layout] * layers, threads, self.stats)
 
     def _save(self, store) -> None:
         saver = Saver(store, self.addresses, CodecChooser("rans"), 2, 1 << 30, ConnectorStats())
@@ -171,7 +171,7 @@ class _Bench:
     def _exact(self, c: int, block: int) -> bool:
         slots = torch.arange(block * CHUNK, (block + 1) * CHUNK)
         for layer, cache in enumerate(self.caches):
-            got = self.adapter.gather(cache, slots)
+            got = self.layout.gather(cache, slots)
             if not torch.equal(got.view(torch.int16), self.chunks[c][layer].view(torch.int16)):
                 return False
         return True

@@ -2,7 +2,7 @@
 
 Each phase runs in a fresh spawned process, set up as the worker half sets
 itself up (``reuse_large_buffers``, a CPU_ATTN paged KV cache per layer with
-the adapter vLLM's layout calls for, a file store, the ``ObjectAddresses`` of
+the layout vLLM's layout calls for, a file store, the ``ObjectAddresses`` of
 a SmolLM2-135M namespace with vLLM's default 6 layer groups). The baseline is
 the process's resident set after that set-up and a warm-up (imports, numba
 kernels, the paged cache itself and the source KV: the engine owns those
@@ -91,7 +91,7 @@ def _setup(tokens: int, store_url: str, codec: str) -> dict[str, Any]:
     from vllm_kvcodec.connector.config import ConnectorConfig
     from vllm_kvcodec.keys import Namespace, ObjectAddresses, chunk_hashes
     from vllm_kvcodec.malloc_tuning import reuse_large_buffers
-    from vllm_kvcodec.paged import CANONICAL_NAMESPACE, adapter_for
+    from vllm_kvcodec.paged import CANONICAL_NAMESPACE, layout_for
     from vllm_kvcodec.tools.smollm2 import real_kv
 
     torch.set_num_threads(1)
@@ -100,7 +100,7 @@ def _setup(tokens: int, store_url: str, codec: str) -> dict[str, Any]:
     layers, _, _, heads, dim = base.shape
     blocks = tokens // BLOCK_SIZE
     caches = [torch.zeros((blocks, heads, BLOCK_SIZE, 2 * dim), dtype=base.dtype) for _ in range(layers)]
-    adapter = adapter_for("CPU_ATTN", caches[0], block_size=BLOCK_SIZE, head_size=dim, num_kv_heads=heads)
+    layout = layout_for("CPU_ATTN", caches[0], block_size=BLOCK_SIZE, head_size=dim, num_kv_heads=heads)
     block_ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(0))  # a fragmented block table
     slots = (block_ids[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).reshape(-1)
     groups = ConnectorConfig(codec=codec, store=store_url).layer_groups(layers)
@@ -108,7 +108,7 @@ def _setup(tokens: int, store_url: str, codec: str) -> dict[str, Any]:
                           head_dim=dim, layout_id=CANONICAL_NAMESPACE, tp_size=1, chunk_size=CHUNK_TOKENS,
                           layers_per_object=len(groups[0]))
     hashes = chunk_hashes(namespace, list(range(tokens)), tokens // CHUNK_TOKENS)
-    return {"base": base, "caches": caches, "adapter": adapter, "slots": slots, "block_ids": block_ids,
+    return {"base": base, "caches": caches, "layout": layout, "slots": slots, "block_ids": block_ids,
             "hashes": hashes, "store": open_store(store_url),
             "addresses": ObjectAddresses(namespace, 0, tuple(groups)), "tokens": tokens}
 
@@ -119,7 +119,7 @@ def _fill_cache(env: dict[str, Any]) -> None:
         tile = source_tile(env["base"], t)
         part = env["slots"][t * SOURCE_TOKENS : (t + 1) * SOURCE_TOKENS]
         for layer, cache in enumerate(env["caches"]):
-            env["adapter"].scatter(cache, part, tile[layer])
+            env["layout"].scatter(cache, part, tile[layer])
 
 
 def _chunk_slots(env: dict[str, Any], c: int) -> Any:
@@ -142,7 +142,7 @@ def _save_phase(env: dict[str, Any], codec: str, threads: int, max_pending: int,
     stats = ConnectorStats()
     saver = Saver(env["store"], env["addresses"], CodecChooser(codec), threads, max_pending, stats)
     caches = env["caches"]
-    gather = CpuSaveGather(caches, [env["adapter"]] * len(caches), saver)
+    gather = CpuSaveGather(caches, [env["layout"]] * len(caches), saver)
     per_step = max(1, step_tokens // CHUNK_TOKENS)
     reset = _reset_peak()
     baseline = _rss()
@@ -167,10 +167,10 @@ def _load_phase(env: dict[str, Any], threads: int) -> dict[str, Any]:
     from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
     from vllm_kvcodec.stats import ConnectorStats
 
-    caches, adapter, addresses = env["caches"], env["adapter"], env["addresses"]
+    caches, layout, addresses = env["caches"], env["layout"], env["addresses"]
     decode_chunk(env["store"].get(addresses.key(env["hashes"][0], 0)))  # warm-up: numba kernels
     stats = ConnectorStats()
-    fetcher = Fetcher(env["store"], addresses, caches, [adapter] * len(caches), threads, stats)
+    fetcher = Fetcher(env["store"], addresses, caches, [layout] * len(caches), threads, stats)
     chunks = [ChunkLoad(h, 0, _chunk_slots(env, c).tolist(),
                         env["block_ids"][c * CHUNK_TOKENS // BLOCK_SIZE : (c + 1) * CHUNK_TOKENS // BLOCK_SIZE].tolist())
               for c, h in enumerate(env["hashes"])]
@@ -194,7 +194,7 @@ def _matches_source(env: dict[str, Any]) -> bool:
         tile = source_tile(env["base"], t)
         part = env["slots"][t * SOURCE_TOKENS : (t + 1) * SOURCE_TOKENS]
         for layer, cache in enumerate(env["caches"]):
-            got = env["adapter"].gather(cache, part)
+            got = env["layout"].gather(cache, part)
             if not torch.equal(got.view(torch.int16), tile[layer].view(torch.int16)):
                 return False
     return True

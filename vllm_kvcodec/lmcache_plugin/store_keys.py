@@ -34,7 +34,7 @@ _MAX_HASH_CHARS = 128
 
 
 @dataclasses.dataclass(frozen=True)
-class Namespace:
+class KeyNamespace:
     head: str  # "<model>@<world_size>@<worker_id>"
     tail: str  # "<dtype>[@<layer_id>][@tag%value...]"
     digest: str
@@ -64,10 +64,10 @@ class KeyMapper:
 
     def __init__(self, salt: str = "", max_cached: int = 4096) -> None:
         self.salt = salt
-        self._cache: dict[tuple[str, str], Namespace] = {}
+        self._cache: dict[tuple[str, str], KeyNamespace] = {}
         self._max_cached = max_cached
 
-    def split(self, key: Any) -> tuple[Namespace, str]:
+    def split(self, key: Any) -> tuple[KeyNamespace, str]:
         """``(namespace, chunk part)`` of an LMCache CacheEngineKey (or LayerCacheEngineKey)."""
         hash_hex = key.chunk_hash_hex
         head = f"{key.model_name}@{key.world_size}@{key.worker_id}"
@@ -80,7 +80,7 @@ class KeyMapper:
         if ns is None:
             if len(self._cache) >= self._max_cached:
                 self._cache.clear()
-            ns = Namespace(head, tail, namespace_digest(head, tail, self.salt))
+            ns = KeyNamespace(head, tail, namespace_digest(head, tail, self.salt))
             self._cache[(head, tail)] = ns
         part = hash_hex if len(hash_hex) <= _MAX_HASH_CHARS else "h" + xxhash.xxh3_128_hexdigest(hash_hex.encode())
         return ns, part

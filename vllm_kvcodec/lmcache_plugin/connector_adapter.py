@@ -30,7 +30,7 @@ class KVCodecConnectorAdapter(ConnectorAdapter):
         return extract_plugin_type(url[len("plugin://"):]) == PLUGIN_TYPE
 
     def create_connector(self, context: ConnectorContext) -> RemoteConnector:
-        from vllm_kvcodec.lmcache_plugin.connector import KVCodecRemoteConnector
+        from vllm_kvcodec.lmcache_plugin.remote_connector import KVCodecRemoteConnector
 
         plugin_name = context.plugin_name or context.url[len("plugin://"):]
         logger.info("Creating kvcodec connector for %s", plugin_name)

@@ -40,11 +40,11 @@ from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ChunkFormatError, ConfigError, KVCodecError
 from vllm_kvcodec.format import decode_chunk, encode_chunk
 from vllm_kvcodec.lmcache_plugin import envelope
-from vllm_kvcodec.lmcache_plugin.keys import (
+from vllm_kvcodec.lmcache_plugin.store_keys import (
     DESCRIPTOR,
     ROOT,
     KeyMapper,
-    Namespace,
+    KeyNamespace,
     parse_descriptor,
     parse_store_key,
 )
@@ -65,7 +65,7 @@ class LayoutMismatch(ValueError):
 
 
 @dataclasses.dataclass
-class ConnectorStats:
+class PluginStats:
     puts: int = 0
     put_raw_bytes: int = 0
     put_stored_bytes: int = 0
@@ -112,7 +112,7 @@ class KVCodecRemoteConnector(RemoteConnector):
             )
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
-        self.stats = ConnectorStats()
+        self.stats = PluginStats()
         self._stats_lock = threading.Lock()
         self._codec_lock = threading.Lock()
         self._codecs: dict[torch.dtype, Codec] = {}
@@ -229,14 +229,14 @@ class KVCodecRemoteConnector(RemoteConnector):
         blobs = [encode_chunk(t, codec=self._codec_for_layout(fmt, t.dtype)) for t in tensors]
         return envelope.pack(fmt.name, blobs), sum(t.numel() * t.element_size() for t in tensors)
 
-    def _descriptors(self, namespaces: Sequence[Namespace]) -> list[tuple[str, bytes]]:
+    def _descriptors(self, namespaces: Sequence[KeyNamespace]) -> list[tuple[str, bytes]]:
         out: dict[str, bytes] = {}
         for ns in namespaces:
             if ns.digest not in self._described:
                 out[ns.descriptor_key] = ns.descriptor()
         return list(out.items())
 
-    def _put_values(self, items: list[tuple[str, bytes]], namespaces: Sequence[Namespace]) -> None:
+    def _put_values(self, items: list[tuple[str, bytes]], namespaces: Sequence[KeyNamespace]) -> None:
         self.store.put_many(self._descriptors(namespaces) + items)
         for ns in namespaces:
             self._described.add(ns.digest)
@@ -440,7 +440,7 @@ class KVCodecRemoteConnector(RemoteConnector):
             *(self._run(self._pool, self._encode_or_skip, k, m) for k, m in zip(keys, memory_objs))
         )
         items: list[tuple[str, bytes]] = []
-        namespaces: list[Namespace] = []
+        namespaces: list[KeyNamespace] = []
         raw = 0
         for key, enc in zip(keys, encoded):
             if enc is None:
@@ -488,7 +488,7 @@ class KVCodecRemoteConnector(RemoteConnector):
             if halves is None:
                 logger.debug("kvcodec: namespace %s has no descriptor; its chunks are not listed", digest)
                 continue
-            ns = Namespace(halves[0], halves[1], digest)
+            ns = KeyNamespace(halves[0], halves[1], digest)
             out.extend(ns.key_string(part) for part in by_ns[digest] if not part.startswith("h"))
         return out
 
