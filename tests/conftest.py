@@ -23,5 +23,5 @@ def real_kv_1k() -> torch.Tensor:
 def real_chunks(real_kv_1k: torch.Tensor) -> list[torch.Tensor]:
     """Four real 256-token chunks in the canonical layout."""
     return [c.contiguous() for c in real_kv_1k.split(256, dim=2)]
-from tests.redis_server import redis_server, redis_url  # noqa: E402,F401
-from tests.mooncake_server import mooncake_pool, mooncake_url  # noqa: E402,F401
+from tests.support.redis_server import redis_server, redis_url  # noqa: E402,F401
+from tests.support.mooncake_server import mooncake_pool, mooncake_url  # noqa: E402,F401

@@ -19,7 +19,7 @@ with ``usedevicememory=True``, frames through DLPack or
 ``__cuda_array_interface__``); ``benchmarks/gpu_check.py`` is the first place
 they will run. Everything after the decoder (payload parsing, cropping,
 joining, the exponent checksum) is tested on the CPU with libav standing in
-for NVDEC (tests/test_gpu_nvcodec.py).
+for NVDEC (tests/gpu/test_gpu_nvcodec.py).
 
 NVENC: H100/H200/A100 have no NVENC; :func:`nvenc_available` only probes.
 Encoding stays on the CPU (x265), see docs/codec-video.md.

@@ -33,7 +33,7 @@ Both were read from vLLM's kernels (``csrc/cpu/cpu_attn_amx.hpp``,
 and confirmed on the installed binary: for every ISA string, dtype, head size
 and block size the op accepts here, bytes written by vLLM's op equal bytes
 written by :meth:`scatter`, and :meth:`gather` returns what the op was given
-(tests/test_paged_layouts.py). ``neon`` (Arm; its bf16 path uses a BFMMLA
+(tests/paged/test_paged_layouts.py). ``neon`` (Arm; its bf16 path uses a BFMMLA
 packing), ``vxe``, ``vsx`` and ``rvv`` have their own kernels and are refused
 (:class:`UnknownLayoutError`) until someone verifies them on such a machine.
 
@@ -179,7 +179,7 @@ def kernel_isa(isa: str, head_size: int) -> str:
     if isa in REFUSED_ISAS:
         raise UnknownLayoutError(
             f"CPU_ATTN ISA {isa!r} has its own page layout that vllm-kvcodec has not verified; "
-            "refusing to guess (verify it with tests/test_paged_layouts.py on such a machine)"
+            "refusing to guess (verify it with tests/paged/test_paged_layouts.py on such a machine)"
         )
     if isa not in KNOWN_ISAS:
         raise UnknownLayoutError(f"unknown CPU_ATTN ISA {isa!r} (known: {', '.join(KNOWN_ISAS)})")

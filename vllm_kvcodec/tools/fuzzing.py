@@ -1,6 +1,6 @@
 """Hostile inputs for every decoder: seeds from real KV, AFL-style mutators, one target per decoder.
 
-Shared by the property tests (``tests/test_fuzz.py``, which drive the
+Shared by the property tests (``tests/format/test_fuzz.py``, which drive the
 mutators with a Hypothesis-controlled ``random.Random``) and the long run
 (``python -m vllm_kvcodec.tools.bench fuzz``, which draws ``random.Random(seed, i)``
 per input so any input can be rebuilt from its index).

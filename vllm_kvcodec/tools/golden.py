@@ -2,7 +2,7 @@
 
 Written once per chunk format version (and when a codec is added), by
 ``python -m vllm_kvcodec.tools.golden tests/data/golden``, never by the tests:
-the test (``tests/test_golden_chunks.py``) decodes the committed files with
+the test (``tests/format/test_golden_chunks.py``) decodes the committed files with
 the code under test and compares the bits with the digests recorded here, in
 the manner of numcodecs' fixtures. The KV is real (SmolLM2, first 16 tokens of
 layer 0); float16 and float32 variants are its casts.

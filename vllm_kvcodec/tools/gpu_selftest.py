@@ -1,6 +1,6 @@
 """Bit-exactness cases for the Triton SplitZip kernels, runnable on a GPU or in Triton's interpreter.
 
-Used by ``tests/test_gpu_splitzip.py`` (in a child process with
+Used by ``tests/gpu/test_gpu_splitzip.py`` (in a child process with
 ``TRITON_INTERPRET=1``, device ``cpu``; and on CUDA where a GPU exists) and by
 ``benchmarks/gpu_check.py`` (device ``cuda``). Every case compares against the
 CPU codec when it can be imported (it needs numba) and always against the

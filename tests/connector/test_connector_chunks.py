@@ -1,0 +1,79 @@
+"""Chunks larger than a block: partial local hits, chunked prefill saves, keys across engines.
+
+float32, so tokens must equal a full recompute whatever mix of local hits,
+loads and computation served the prefix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.engine import connector_config, engine, greedy, worker_connector
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def text() -> list[int]:
+    from vllm_kvcodec.tools.smollm2 import sample_token_ids
+
+    return sample_token_ids(1400)
+
+
+@pytest.fixture(scope="module")
+def recompute(text) -> dict[str, list[int]]:
+    with engine(dtype="float32", prefix_caching=False) as llm:
+        return {"600": greedy(llm, text[:600]), "1300": greedy(llm, text[:1300]), "1400": greedy(llm, text[:1400])}
+
+
+def test_chunk_of_two_blocks_with_a_partial_local_hit(text, recompute, tmp_path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    with engine(connector_config(url, "rans", chunk_size=256), dtype="float32") as llm:
+        conn = worker_connector()
+        # Longer than max_num_batched_tokens (512): its 5 chunks complete over 3 steps.
+        assert greedy(llm, text[:1300]) == recompute["1300"]
+        assert conn.flush(120) and conn.stats()["saved_chunks"] == 5
+        llm.reset_prefix_cache()
+        greedy(llm, text[:129], max_tokens=1)  # vLLM now holds block 0 locally; no full chunk to load
+        before = conn.stats().get("loaded_tokens", 0)
+        assert greedy(llm, text[:600]) == recompute["600"]
+        spec = conn.worker.recent_loads[-1]
+        assert spec.chunks[0].first_token == 128, "the locally cached block must not be loaded again"
+        assert conn.stats()["loaded_tokens"] - before == 512 - 128
+        # A fresh engine (new process state, same store) finds the chunks under the same keys.
+    with engine(connector_config(url, "rans", chunk_size=256), dtype="float32") as llm:
+        conn = worker_connector()
+        assert greedy(llm, text[:1400]) == recompute["1400"]
+        assert conn.stats()["loaded_tokens"] == 1280
+        slots = torch.tensor(conn.worker.recent_loads[-1].chunks[-1].slots)
+        assert slots.numel() == 256
+
+
+def test_burst_sharing_a_new_prefix_saves_it_once(text, tmp_path) -> None:
+    from vllm import SamplingParams
+
+    url = f"file://{tmp_path / 'store'}"
+    with engine(connector_config(url, "splitzip", chunk_size=256), dtype="float32") as llm:
+        conn = worker_connector()
+        burst = [{"prompt_token_ids": text[:600] + [11 + i] * 20} for i in range(3)]
+        llm.generate(burst, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+        assert conn.flush(120)
+        assert conn.stats()["saved_chunks"] == 2  # chunks 0 and 1 of the shared 600 tokens, once
+
+
+def test_save_cap_applies_before_gathering(text, recompute, tmp_path) -> None:
+    """A chunk that does not fit under max_pending_save_bytes is never copied out of paged memory.
+
+    It is planned again in a later step (the request still holds its blocks),
+    once the queue has room: all four chunks land.
+    """
+    url = f"file://{tmp_path / 'store'}"
+    cap = 12 << 20  # two 128-token float32 chunks (5.9 MB each) fit, a third does not
+    with engine(connector_config(url, "raw", chunk_size=128, save_threads=1, max_pending_save_bytes=cap), dtype="float32") as llm:
+        conn = worker_connector()
+        assert greedy(llm, text[:600]) == recompute["600"]  # one 512-token step completes 4 chunks
+        assert conn.flush(120)
+        stats = conn.stats()
+        assert stats["saves_dropped"] >= 2 and stats["saved_chunks"] == 4, stats
+        assert stats["saved_raw_bytes"] == 4 * 128 * 30 * 2 * 3 * 64 * 4, stats  # each chunk once

@@ -1,0 +1,132 @@
+"""A real engine behind a misbehaving store: the tokens of a fault-free run, no hang, every failure counted.
+
+float32 engines with vLLM's own prefix cache off, so every repeated prefix is
+loaded through the connector and any split between loaded and recomputed
+tokens gives exactly the tokens of a full recompute (the reference).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from storage import open_store
+from storage.testing.faults import FaultInjector, find_fault_injector
+from tests.support.engine import connector_config, engine, greedy, worker_connector
+from vllm_kvcodec.connector.facade import live_connectors
+
+pytestmark = pytest.mark.engine
+
+PREFIX = 384  # 3 chunks of 128
+MAX_SECONDS_PER_REQUEST = 60
+# A stream with shared prefixes: the first request of each prefix saves it, the others load it.
+STREAM = [("a", 0), ("b", 1), ("a", 2), ("c", 3), ("b", 4), ("a", 5), ("c", 6), ("b", 7)]
+FAULTS = "seed=3&drop=0.1&truncate=0.1&corrupt=0.1&swap=0.15&delay=0.05&delay_s=1.5"
+
+
+@pytest.fixture(scope="module")
+def prompts() -> dict[tuple[str, int], list[int]]:
+    from vllm_kvcodec.tools.smollm2 import sample_token_ids
+
+    ids = sample_token_ids(2200)
+    prefixes = {"a": ids[:PREFIX], "b": ids[500 : 500 + PREFIX], "c": ids[1000 : 1000 + PREFIX]}
+    return {(p, s): prefixes[p] + ids[1500 + 60 * s : 1500 + 60 * s + 30 + 5 * s] for p, s in STREAM}
+
+
+@pytest.fixture(scope="module")
+def reference(prompts) -> dict[tuple[str, int], list[int]]:
+    with engine(dtype="float32", prefix_caching=False) as llm:
+        return {key: greedy(llm, ids, max_tokens=6) for key, ids in prompts.items()}
+
+
+def injectors() -> list[FaultInjector]:
+    """The fault wrappers of both halves (scheduler: lookups; worker: loads and saves)."""
+    found = []
+    for conn in live_connectors():
+        half = conn.scheduler or conn.worker
+        found.append(find_fault_injector(half.store))
+    return [f for f in found if f is not None][-2:]
+
+
+def scheduler_stats() -> dict:
+    return next(c for c in reversed(live_connectors()) if c.scheduler is not None).stats()
+
+
+def serve(llm, prompts, reference, keys, conn) -> None:
+    """Each request in turn: its tokens are the reference's, within the time bound; saves land before the next."""
+    for key in keys:
+        started = time.monotonic()
+        assert greedy(llm, prompts[key], max_tokens=6) == reference[key], key
+        assert time.monotonic() - started < MAX_SECONDS_PER_REQUEST, key
+        assert conn.flush(60)
+
+
+def test_required_store_that_is_down_stops_the_engine_clearly() -> None:
+    """First in the module, so the engines after it prove it left nothing behind."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    config = connector_config("faults+memory://?down=1", "rans", chunk_size=128, require_store_at_startup=True)
+    try:
+        with pytest.raises(Exception, match="cannot be reached at start-up and require_store_at_startup is set"):
+            with engine(config, dtype="float32", prefix_caching=False):
+                pass
+    finally:
+        cleanup_dist_env_and_memory()  # the engine died half-built: free what it set up for the next one
+
+
+def test_faulty_store_stream_gives_fault_free_tokens(prompts, reference, tmp_path: Path) -> None:
+    url = f"faults+file://{tmp_path / 'store'}?{FAULTS}"
+    # A fixed model_id fixes the keys, hence which reads the seed faults, on every machine.
+    extra = {"chunk_size": 128, "load_timeout_s": 1.0, "layers_per_object": 10, "model_id": "smollm2-faults"}
+    with engine(connector_config(url, "rans", **extra), dtype="float32", prefix_caching=False) as llm:
+        conn = worker_connector()
+        serve(llm, prompts, reference, STREAM, conn)
+        faults = find_fault_injector(conn.worker.store).counts()
+        stats = conn.stats()
+    faulty_reads = faults["drop"] + faults["truncate"] + faults["corrupt"] + faults["swap"]
+    assert faults["reads"] >= 25 and faulty_reads >= 5, faults
+    # Every faulty read fails its object's load (objects refused after a timeout fail too).
+    assert stats["load_failures"] >= faulty_reads, (stats, faults)
+    assert stats.get("load_timeouts", 0) >= (1 if faults["delay"] else 0), stats
+    # 3 chunks per prefix, and again each chunk whose load failed, by the request that recomputes it.
+    assert stats["loaded_tokens"] > 0 and 9 <= stats["saved_chunks"] <= 9 + scheduler_stats()["failed_load_chunks"], stats
+
+
+def outage(switch: Callable[[FaultInjector], None]) -> None:
+    for faults in injectors():
+        switch(faults)
+
+
+def test_store_down_at_start_and_mid_run_serves_by_recompute_then_hits_again(prompts, reference, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    url = f"faults+file://{root}?down=1"
+    extra = {"chunk_size": 128, "store_retry_s": 0.5}
+    with engine(connector_config(url, "rans", **extra), dtype="float32", prefix_caching=False) as llm:
+        conn = worker_connector()
+        assert len(injectors()) == 2 and all(f.is_down for f in injectors())
+        # Down from the start: the engine serves by recompute; lookups miss and saves are dropped, counted.
+        serve(llm, prompts, reference, [("a", 0), ("a", 2)], conn)
+        assert scheduler_stats()["lookup_failures"] == 2
+        stats = conn.stats()
+        # Each of the 6 chunk saves was deferred by the scheduler half, dropped or failed; none landed.
+        lost = scheduler_stats().get("saves_deferred_store_down", 0) + stats.get("saves_dropped_store_down", 0)
+        assert lost + stats.get("save_failures", 0) >= 6, stats
+        assert "loaded_tokens" not in stats and "saved_chunks" not in stats
+        assert not list(open_store(f"file://{root}").keys())
+        # Back up: the next request saves its prefix, the one after loads it.
+        outage(FaultInjector.up)
+        time.sleep(0.6)
+        serve(llm, prompts, reference, [("a", 5), ("a", 0)], conn)
+        assert conn.stats()["loaded_tokens"] == PREFIX
+        # Down mid-run: recompute again, no hang; up again: hits resume.
+        outage(FaultInjector.down)
+        serve(llm, prompts, reference, [("a", 2), ("b", 1)], conn)
+        assert conn.stats()["loaded_tokens"] == PREFIX and scheduler_stats()["lookup_failures"] == 4
+        outage(FaultInjector.up)
+        time.sleep(0.6)
+        serve(llm, prompts, reference, [("b", 4), ("b", 7), ("a", 5)], conn)
+        assert conn.stats()["loaded_tokens"] == 3 * PREFIX
+

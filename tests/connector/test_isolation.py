@@ -1,0 +1,122 @@
+"""Isolation: a different model, dtype, compute platform, tenant or request context never finds another's chunks.
+
+The keys are the only thing standing between one model's KV and another
+engine's paged memory, so these tests go through the real namespace built
+from a real VllmConfig, and a real engine for vLLM's per-request cache_salt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.support.engine import connector_config, engine, greedy, worker_connector
+from vllm_kvcodec.connector.config import ConnectorConfig
+from vllm_kvcodec.identity import PLAIN, PromptIdentity, model_identity, weights_fingerprint
+from vllm_kvcodec.keys import Namespace, chunk_hashes
+
+BASE = Namespace("m#1", "bfloat16", 30, 3, 64, "canonical-v1", 1, 128, 5)
+TOKENS = list(range(1000, 1000 + 512))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model_id": "m#2"}, {"dtype": "float16"}, {"num_layers": 31}, {"num_kv_heads": 4},
+        {"head_dim": 128}, {"layout_id": "cpu_attn-vec-v1"}, {"tp_size": 2}, {"chunk_size": 256},
+        {"layers_per_object": 6}, {"salt": "tenant-b"}, {"compute": "cuda"}, {"format_version": 2},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_every_namespace_field_separates_keys(change: dict) -> None:
+    other = dataclasses.replace(BASE, **change)
+    assert other.digest != BASE.digest
+    assert set(chunk_hashes(other, TOKENS, 2)).isdisjoint(chunk_hashes(BASE, TOKENS, 2))
+
+
+@pytest.mark.parametrize(
+    "identity",
+    [PromptIdentity(salt="alice"), PromptIdentity(lora="sql-adapter"), PromptIdentity(salt="alice", lora="x")],
+    ids=["cache_salt", "lora", "both"],
+)
+def test_request_context_separates_every_chunk(identity: PromptIdentity) -> None:
+    plain = chunk_hashes(BASE, TOKENS, 4)
+    salted = chunk_hashes(BASE, TOKENS, 4, identity)
+    assert set(salted).isdisjoint(plain)
+    assert chunk_hashes(BASE, TOKENS, 4, identity) == salted  # stable
+
+
+def test_media_changes_its_chunk_and_every_later_one_only() -> None:
+    """Placeholder tokens are equal for any image: its content hash must key the chunks from its own on."""
+    image_a = chunk_hashes(BASE, TOKENS, 4, PromptIdentity(media=((300, "img-a"),)))
+    image_b = chunk_hashes(BASE, TOKENS, 4, PromptIdentity(media=((300, "img-b"),)))
+    plain = chunk_hashes(BASE, TOKENS, 4, PLAIN)
+    assert image_a[:2] == image_b[:2] == plain[:2]  # tokens 0..255 come before the image
+    assert all(a != b for a, b in zip(image_a[2:], image_b[2:]))
+
+
+def test_weights_fingerprint_follows_content_not_path(tmp_path: Path) -> None:
+    from vllm_kvcodec.tools.smollm2 import model_dir
+
+    src = model_dir()
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy)
+    assert weights_fingerprint(str(copy)) == weights_fingerprint(str(src))
+    weights = next(copy.glob("*.safetensors"))
+    data = np.fromfile(weights, dtype=np.uint8)
+    data[len(data) // 2 :] ^= 0x01  # a "fine-tune": the second half of the weights differs
+    data.tofile(weights)
+    weights_fingerprint.cache_clear()
+    assert weights_fingerprint(str(copy)) != weights_fingerprint(str(src))
+    assert model_identity("org/model", "abc123", None) != model_identity("org/model", "def456", None)
+    assert model_identity("org/model", "abc123", None) != model_identity("org/model", "abc123", "awq")
+
+
+def _namespace(**engine_args) -> Namespace:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvcodec.connector.facade import build_namespace
+    from vllm_kvcodec.tools.smollm2 import model_dir
+
+    args = {"model": str(model_dir()), "dtype": "bfloat16", "block_size": 128, "enforce_eager": True, "max_model_len": 2048}
+    extra = engine_args.pop("connector", {})
+    config = EngineArgs(**{**args, **engine_args}).create_engine_config()
+    return build_namespace(config, ConnectorConfig(**extra))
+
+
+def test_real_engine_configs_get_separate_namespaces() -> None:
+    """The namespace an engine would use, from vLLM's own config: dtype and kernel choice separate it."""
+    bf16 = _namespace()
+    assert bf16 == _namespace()  # two engines of the same kind share
+    assert _namespace(dtype="float32").digest != bf16.digest
+    assert _namespace(dtype="float16").digest != bf16.digest
+    assert _namespace(connector={"salt": "blue"}).digest != bf16.digest
+    assert '"platform": "cpu"' in bf16.compute and '"isa"' in bf16.compute
+    portable = _namespace(connector={"share_across_platforms": True})
+    assert portable.compute == "" and portable.digest != bf16.digest
+
+
+@pytest.mark.engine
+def test_cache_salt_tenants_never_share_chunks(tmp_path: Path) -> None:
+    from vllm_kvcodec.tools.smollm2 import sample_token_ids
+
+    ids = sample_token_ids(1700)[1100:]  # text no other engine test of this store saw
+    store = f"file://{tmp_path}/store"
+    with engine(connector_config(store, chunk_size=128)) as llm:
+        alice = greedy(llm, ids, cache_salt="alice")
+        alice_cached = greedy(llm, ids, cache_salt="alice")  # what a prefix hit must reproduce
+        assert worker_connector().flush()
+    with engine(connector_config(store, chunk_size=128)) as llm:
+        conn = worker_connector()
+        assert greedy(llm, ids, cache_salt="bob") == alice  # recomputed: same engine kind, same tokens
+        assert conn.stats().get("loaded_tokens", 0) == 0
+        assert greedy(llm, ids) == alice  # no salt is a tenant of its own too
+        assert conn.stats().get("loaded_tokens", 0) == 0
+    with engine(connector_config(store, chunk_size=128)) as llm:
+        conn = worker_connector()
+        assert greedy(llm, ids, cache_salt="alice") == alice_cached
+        assert conn.stats()["loaded_tokens"] == 512  # alice's own chunks do come back

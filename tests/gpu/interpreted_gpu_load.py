@@ -1,0 +1,281 @@
+"""GPU load/save path on CPU tensors in Triton's interpreter: run by tests/gpu/test_gpu_load.py in a child process.
+
+Not collected by itself (the name does not start with ``test_``): the
+interpreter needs ``TRITON_INTERPRET=1`` before triton is first imported, so
+``test_gpu_load.py`` runs this file in a child ``pytest`` with the variable
+set there only. Every result is compared bit for bit with the CPU path
+(:class:`~vllm_kvcodec.paged.PackedKVLayout`, :class:`~vllm_kvcodec.load.fetcher.Fetcher`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from storage import open_store
+from vllm_kvcodec.codecs.choice import CodecChooser
+from vllm_kvcodec.load.fetcher import Fetcher
+from vllm_kvcodec.format import decode_chunk, encode_chunk
+from vllm_kvcodec.tools import gpu_load_check as lc
+from vllm_kvcodec.load.cuda_placement import CudaFetcher
+from vllm_kvcodec.gpu.launch import interpreted
+from vllm_kvcodec.gpu.scatter_triton import PackedPages
+from vllm_kvcodec.paged import Geometry, PackedKVLayout, PagedLayoutError, SlotError
+from vllm_kvcodec.save.saver import Saver
+from vllm_kvcodec.save.cuda_gather import CudaSaveGather
+from vllm_kvcodec.stats import ConnectorStats
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def test_this_process_interprets() -> None:
+    assert interpreted(), "run with TRITON_INTERPRET=1 (tests/gpu/test_gpu_load.py does)"
+
+
+def _garbage(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random bit patterns (NaNs with payloads included): a write in the wrong place cannot hide."""
+    gen = torch.Generator().manual_seed(seed)
+    int_dtype = torch.int32 if dtype == torch.float32 else torch.int16
+    info = torch.iinfo(int_dtype)
+    return torch.randint(info.min, info.max, shape, dtype=int_dtype, generator=gen).view(dtype)
+
+
+def _layer_caches(layers: int, blocks: int, heads: int, block: int, head: int, dtype: torch.dtype,
+                  order: str, seed: int = 0) -> list[torch.Tensor]:
+    """Logical [blocks, heads, block, 2*head] views of one allocation, in vLLM 0.33's physical orders."""
+    if order == "NHD":  # LBNHC: tokens before heads
+        whole = _garbage((layers, blocks, block, heads, 2 * head), dtype, seed)
+        return [whole[i].transpose(1, 2) for i in range(layers)]
+    if order == "HND":  # LBHNC
+        whole = _garbage((layers, blocks, heads, block, 2 * head), dtype, seed)
+        return [whole[i] for i in range(layers)]
+    if order == "block-outer":  # BLNHC: layers interleaved inside each block
+        whole = _garbage((blocks, layers, block, heads, 2 * head), dtype, seed)
+        return [whole[:, i].transpose(1, 2) for i in range(layers)]
+    raise ValueError(order)
+
+
+def _kv_from_real(real: torch.Tensor, layers: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    kv = real[:layers, :, :tokens]
+    if dtype == torch.float16:  # bf16 -> fp16 is lossy, so take real fp16 bit patterns from the bf16 ones
+        return kv.contiguous().view(torch.int16).view(torch.float16)
+    return kv.to(dtype).contiguous()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return lc.bits(t)
+
+
+def _odd_slots(num_blocks: int, block: int, tokens: int, seed: int, first: int = 3) -> torch.Tensor:
+    """Shuffled, non-contiguous blocks, starting ``first`` tokens into the first block (a partial block)."""
+    gen = torch.Generator().manual_seed(seed)
+    need = -(-(tokens + first) // block)
+    table = torch.randperm(num_blocks, generator=gen)[:need]
+    pos = torch.arange(first, first + tokens)
+    return table[pos // block] * block + pos % block
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND", "block-outer"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_scatter_and_gather_match_the_layout(real_chunks, order, dtype) -> None:
+    layers, heads, head, block, blocks, tokens = 3, 3, 64, 16, 12, 37
+    kv_full = _kv_from_real(real_chunks[1], layers, 45, dtype)
+    kv = kv_full[:, :, 5 : 5 + tokens]  # a token slice of a chunk: what a partial first block loads
+    slots = _odd_slots(blocks, block, tokens, seed=7)
+    got = _layer_caches(layers, blocks, heads, block, head, dtype, order)
+    want = [c.clone() for c in got]
+    layout = PackedKVLayout(Geometry(heads, head, block, dtype))
+    PackedPages(got, head).scatter(0, kv, slots)
+    for i in range(layers):
+        layout.scatter(want[i], slots, kv[i].contiguous())
+    for i in range(layers):  # every byte, also those no slot addresses
+        assert torch.equal(_bits(got[i]), _bits(want[i])), f"layer {i}"
+    out = torch.empty((layers, 2, tokens, heads, head), dtype=dtype)
+    PackedPages(got, head).gather(0, slots, out)
+    for i in range(layers):
+        assert torch.equal(_bits(out[i]), _bits(layout.gather(want[i], slots)))
+    assert torch.equal(_bits(out), _bits(kv))
+
+
+def test_scatter_keeps_nan_payloads_and_odd_head_size() -> None:
+    """Bits move as integers (NaN payloads survive); head_size 80 is not a power of two; one-token slot lists."""
+    layers, heads, head, block, blocks = 2, 2, 80, 8, 6
+    kv = _garbage((layers, 2, 11, heads, head), torch.bfloat16, seed=3)
+    got = _layer_caches(layers, blocks, heads, block, head, torch.bfloat16, "NHD", seed=4)
+    want = [c.clone() for c in got]
+    layout = PackedKVLayout(Geometry(heads, head, block, torch.bfloat16))
+    pages = PackedPages(got, head)
+    slots = torch.tensor([47, 0, 9, 8, 31, 30, 17, 5, 40, 23, 1])
+    pages.scatter(0, kv, slots)
+    pages.scatter(1, kv[1:, :, :1], torch.tensor([44]))  # one token, second layer only
+    for i in range(layers):
+        layout.scatter(want[i], slots, kv[i].contiguous())
+    layout.scatter(want[1], torch.tensor([44]), kv[1, :, :1].contiguous())
+    for i in range(layers):
+        assert torch.equal(_bits(got[i]), _bits(want[i]))
+
+
+def test_pages_refuse_what_they_cannot_address() -> None:
+    caches = _layer_caches(2, 4, 2, 8, 16, torch.bfloat16, "HND")
+    with pytest.raises(PagedLayoutError, match="differs from layer 0"):
+        PackedPages([caches[0], caches[1][:3]], 16)
+    pages = PackedPages(caches, 16)
+    kv = torch.zeros(1, 2, 4, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(PagedLayoutError, match="layers"):
+        pages.scatter(2, kv, torch.arange(4))
+    with pytest.raises(SlotError):
+        pages.scatter(0, kv, torch.arange(3))
+    with pytest.raises(PagedLayoutError, match="float16"):
+        pages.scatter(0, kv.to(torch.float16), torch.arange(4))
+    with pytest.raises(PagedLayoutError):
+        PackedPages(caches, 8)  # the content axis is not 2 * head_size
+    strided = torch.zeros(4, 32, 2, 8, dtype=torch.bfloat16).permute(0, 2, 3, 1)  # content axis not contiguous
+    with pytest.raises(PagedLayoutError, match="contiguous"):
+        PackedPages([strided], 16)
+
+
+# ---- the load pipeline ------------------------------------------------------------------------------
+
+
+def _scenario(real_kv_1k, codecs, *, first_token=5, seed=0):
+    kv = real_kv_1k[:4, :, :64].contiguous()  # 4 layers, 4 chunks of 16 tokens, blocks of 8
+    return lc.build(kv, chunk_size=16, layers_per_object=2, block_size=8, codecs=codecs,
+                    first_token=first_token, seed=seed)
+
+
+def _layouts(sc):
+    return [PackedKVLayout(sc.geometry)] * sc.kv.shape[0]
+
+
+def _run(fetcher_cls, sc, caches, stats=None, timeout=120.0):
+    fetcher = fetcher_cls(sc.store, sc.addresses, caches, _layouts(sc), 2, stats or ConnectorStats())
+    try:
+        job = fetcher.submit(sc.specs, timeout)
+        for layer in range(len(caches)):
+            assert job.wait_layer(layer, job.deadline)
+        assert job.done.wait(timeout)
+        job.settle()
+        return job
+    finally:
+        fetcher.shutdown()
+
+
+@pytest.mark.parametrize("order", lc.ORDERS)
+def test_gpu_fetcher_writes_what_the_cpu_fetcher_writes(real_kv_1k, order) -> None:
+    sc = _scenario(real_kv_1k, ["splitzip", "raw", "rans", "splitzip"])
+    gpu, cpu = sc.caches("cpu", order), sc.caches("cpu", order)
+    stats = ConnectorStats()
+    job = _run(CudaFetcher, sc, gpu, stats)
+    _run(Fetcher, sc, cpu)
+    assert not job.failed_blocks
+    assert lc.caches_equal(gpu, cpu)
+    assert lc.caches_equal(gpu, sc.expected())
+    totals = stats.totals()
+    assert totals["gpu_decoded_objects"] == 4  # 2 splitzip chunks x 2 layer groups decoded by the kernels
+    assert totals["loaded_objects"] == 8 and totals["loaded_tokens"] == 64 - 2 * 5
+
+
+def test_gpu_fetcher_falls_back_to_the_layouts_for_other_strides(real_kv_1k) -> None:
+    """Caches the pointer-table kernel does not take (content axis not contiguous) load through the layouts."""
+    sc = _scenario(real_kv_1k, ["splitzip", "raw"], seed=5)
+    layers, _, _, heads, head = sc.kv.shape
+    whole = torch.zeros(layers, sc.num_blocks, 2 * head, heads, sc.block_size, dtype=sc.kv.dtype)
+    caches = [whole[i].permute(0, 2, 3, 1) for i in range(layers)]  # logical [blocks, heads, block, 2*head]
+    fetcher = CudaFetcher(sc.store, sc.addresses, caches, _layouts(sc), 1, ConnectorStats())
+    assert fetcher.pages is None
+    fetcher.shutdown()
+    job = _run(CudaFetcher, sc, caches)
+    assert not job.failed_blocks
+    assert lc.caches_equal(caches, sc.expected())
+
+
+def test_gpu_fetcher_reports_failed_objects_and_never_writes_them(real_kv_1k) -> None:
+    sc = _scenario(real_kv_1k, ["splitzip"], seed=1)
+    chunks = [c for spec in sc.specs for c in spec.chunks]
+    key = sc.addresses.key
+    sc.store.delete(key(chunks[0].chunk_hash, 0))  # missing
+    blob = sc.store.get(key(chunks[1].chunk_hash, 1))
+    sc.store.put(key(chunks[1].chunk_hash, 1), blob[:-9] + bytes([blob[-9] ^ 1]) + blob[-8:])  # checksum fails
+    sc.store.put(key(chunks[2].chunk_hash, 0), lc.swap_escape_positions(sc.store.get(key(chunks[2].chunk_hash, 0)), key(chunks[2].chunk_hash, 0)))
+    gpu, cpu = sc.caches("cpu"), sc.caches("cpu")
+    job = _run(CudaFetcher, sc, gpu)
+    cpu_job = _run(Fetcher, sc, cpu)
+    failed = {(chunks[0].chunk_hash, 0), (chunks[1].chunk_hash, 1), (chunks[2].chunk_hash, 0)}
+    want_blocks = set(chunks[0].block_ids) | set(chunks[1].block_ids) | set(chunks[2].block_ids)
+    assert job.failed_blocks == want_blocks == cpu_job.failed_blocks
+    assert lc.caches_equal(gpu, sc.expected(failed))  # nothing of a failed object was written
+    assert lc.caches_equal(gpu, cpu)
+
+
+def test_gpu_fetcher_refuses_objects_of_another_shape(real_kv_1k) -> None:
+    sc = _scenario(real_kv_1k, ["splitzip"], seed=2)
+    chunk = sc.specs[0].chunks[0]
+    wrong = encode_chunk(sc.kv[:2, :, :8].contiguous(), "splitzip", key=sc.addresses.key(chunk.chunk_hash, 1))  # 8 tokens, not 16
+    sc.store.put(sc.addresses.key(chunk.chunk_hash, 1), wrong)
+    gpu = sc.caches("cpu")
+    job = _run(CudaFetcher, sc, gpu)
+    assert job.failed_blocks == set(chunk.block_ids)
+    assert lc.caches_equal(gpu, sc.expected({(chunk.chunk_hash, 1)}))
+
+
+class _GatedStore:
+    """The real memory store, but gets of one layer group wait for a gate (a slow link, deterministically)."""
+
+    def __init__(self, store, group_suffix: str) -> None:
+        self.store, self.suffix, self.gate = store, group_suffix, threading.Event()
+
+    def get(self, key: str):
+        if key.endswith(self.suffix):
+            self.gate.wait(30)
+        return self.store.get(key)
+
+
+def test_gpu_fetcher_cancel_writes_nothing_late(real_kv_1k) -> None:
+    sc = _scenario(real_kv_1k, ["splitzip"], seed=3)
+    gated = _GatedStore(sc.store, "g001")
+    caches = sc.caches("cpu")
+    fetcher = CudaFetcher(gated, sc.addresses, caches, _layouts(sc), 2, ConnectorStats())
+    try:
+        job = fetcher.submit(sc.specs, 120)
+        assert job.wait_layer(0, job.deadline)  # group 0 arrives
+        assert not job.wait_layer(2, time.monotonic() + 0.3)  # group 1 is held at the gate
+        job.cancel()
+        gated.gate.set()
+        fetcher.shutdown()  # the held threads finish: they must not write
+        all_blocks = {b for spec in sc.specs for c in spec.chunks for b in c.block_ids}
+        assert job.failed_blocks == all_blocks
+        group1 = {(c.chunk_hash, 1) for spec in sc.specs for c in spec.chunks}
+        assert lc.caches_equal(caches, sc.expected(group1))
+    finally:
+        gated.gate.set()
+        fetcher.shutdown()
+
+
+# ---- the save path's gather -------------------------------------------------------------------------
+
+
+def test_save_gather_hands_the_saver_what_the_cpu_gather_would(real_kv_1k) -> None:
+    sc = _scenario(real_kv_1k, ["raw"], first_token=0, seed=4)
+    caches = sc.caches("cpu", "NHD")
+    _run(CudaFetcher, sc, caches)  # fill the caches with the scenario's KV
+    store = open_store("memory://save-gather")
+    stats = ConnectorStats()
+    saver = Saver(store, sc.addresses, CodecChooser("splitzip"), 1, 1 << 30, stats)
+    fetcher = CudaFetcher(sc.store, sc.addresses, caches, _layouts(sc), 1, ConnectorStats())
+    gather = CudaSaveGather(caches, _layouts(sc), saver)
+    chunks = [c for spec in sc.specs for c in spec.chunks]
+    lc.save_chunks(gather, caches, chunks)
+    assert saver.flush(60)
+    for chunk in chunks:
+        c = sc.index[chunk.chunk_hash]
+        for g, layers in enumerate(sc.addresses.groups):
+            got = decode_chunk(store.get(sc.addresses.key(chunk.chunk_hash, g)))
+            want = sc.kv[layers.start : layers.stop, :, c * 16 : (c + 1) * 16]
+            assert torch.equal(_bits(got), _bits(want))
+    assert stats.totals()["saved_chunks"] == len(chunks)
+    gather.shutdown()
+    saver.shutdown()
+    fetcher.shutdown()

@@ -1,0 +1,120 @@
+"""The commands users run first: `make demo`'s `kvcodec demo`, the benchmarks, and the store tools."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def kvcodec(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vllm_kvcodec.tools.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.engine
+def test_demo_loads_the_prefix_and_matches_tokens() -> None:
+    done = kvcodec("demo", "--tokens", "512")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "PASS" in done.stdout and "tokens loaded from the store" in done.stdout
+
+
+def test_bench_codecs_writes_json(tmp_path) -> None:
+    out = tmp_path / "codecs.json"
+    done = kvcodec("bench", "codecs", "--tokens", "512", "--repeats", "1", "--output", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    by_name = {r["name"]: r for r in result["results"]}
+    assert all(r["bit_exact"] for r in result["results"])
+    assert by_name["rans"]["ratio"] > by_name["splitzip"]["ratio"] > 1.3
+
+
+@pytest.mark.redis
+@pytest.mark.mooncake
+def test_bench_stores_measures_file_a_temporary_redis_and_a_temporary_mooncake_pool(tmp_path) -> None:
+    from tests.support.mooncake_server import require_mooncake
+
+    require_mooncake()
+    out = tmp_path / "stores.json"
+    done = kvcodec("bench", "stores", "--threads", "2", "--output", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert {r["store"] for r in rows} == {"file", "redis", "mooncake"}
+    assert {r["threads"] for r in rows} == {2}
+    assert all(r["put_MBps"] > 0 and r["get_MBps"] > 0 for r in rows)
+
+
+def test_bench_faults_counts_no_wrong_load(tmp_path) -> None:
+    out = tmp_path / "faults.json"
+    done = kvcodec("bench", "faults", "--faulty-loads", "20", "--output", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["faulty_loads"] >= 20 and result["wrong"] == 0
+    assert result["exact"] + result["failed"] == result["loads"]
+
+
+@pytest.mark.engine
+def test_bench_ttft_compares_a_load_with_recompute(tmp_path) -> None:
+    out = tmp_path / "ttft.json"
+    args = ["--prefix-tokens", "512", "--suffix-tokens", "16", "--codec", "rans", "--gbps", "10", "--repeats", "1"]
+    done = kvcodec("bench", "ttft", *args, "--output", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (row,) = result["results"]
+    assert row["codec"] == "rans" and row["full_hit"] and row["loaded_tokens"] == row["expected_tokens"] > 0
+    assert row["load_failures"] == 0 and row["ratio"] > 1.4
+    assert result["baseline"]["recompute_s"] > 0
+
+
+def test_unknown_command_fails_cleanly() -> None:
+    done = kvcodec("frobnicate")
+    assert done.returncode != 0 and "No such command" in (done.stderr + done.stdout)
+
+
+def _stored(tmp_path):
+    """A file store holding two real chunks the way the connector stores them."""
+    from storage import open_store
+    from vllm_kvcodec.format import encode_chunk
+    from vllm_kvcodec.tools.smollm2 import real_kv
+
+    url = f"file://{tmp_path / 'store'}"
+    kv = real_kv(1024)
+    with open_store(url) as store:
+        store.put("kvc/ns1/aaaa/r0g000", encode_chunk(kv[:5, :, :256], "rans"))
+        store.put("kvc/ns1/bbbb/r0g000", encode_chunk(kv[:5, :, 256:512], "splitzip"))
+        store.put("other/key", b"not ours")
+    return url
+
+
+def test_inspect_and_verify_a_store(tmp_path) -> None:
+    from storage import open_store
+
+    url = _stored(tmp_path)
+    done = kvcodec("inspect", url)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rans: 1" in done.stdout and "splitzip: 1" in done.stdout
+    assert kvcodec("verify", url).returncode == 0
+    with open_store(url) as store:
+        blob = bytearray(store.get("kvc/ns1/bbbb/r0g000"))
+        blob[100] ^= 1
+        store.put("kvc/ns1/bbbb/r0g000", bytes(blob))
+    done = kvcodec("verify", url, "--delete")
+    assert done.returncode == 1 and "checksum mismatch" in done.stdout
+    assert kvcodec("verify", url).returncode == 0  # the damaged object is gone
+    with open_store(url) as store:
+        assert store.get("other/key") == b"not ours"  # only connector objects are touched
+
+
+def test_config_prints_valid_json_or_a_clear_error() -> None:
+    done = kvcodec("config", "--store", "redis://127.0.0.1:6379/0", "--codec", "splitzip")
+    assert done.returncode == 0
+    cfg = json.loads(done.stdout)
+    assert cfg["kv_connector_extra_config"] == {"chunk_size": 256, "load_mode": "sync", "store": "redis://127.0.0.1:6379/0", "codec": "splitzip"}
+    bad = kvcodec("config", "--codec", "gzip")
+    assert bad.returncode == 2 and "unknown codec 'gzip'" in bad.stderr
+
+
+def test_inspect_of_a_bad_url_fails_cleanly() -> None:
+    done = kvcodec("inspect", "s3://nowhere")
+    assert done.returncode == 2 and "error" in done.stdout
