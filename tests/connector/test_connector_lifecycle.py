@@ -25,17 +25,6 @@ from vllm_kvcodec.keys import chunk_hashes, object_key
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module")
-def ids() -> list[int]:
-    from vllm_kvcodec.tools.smollm2 import sample_token_ids
-
-    return sample_token_ids(900)
-
-
-@pytest.fixture(scope="module")
-def recompute_tokens(ids) -> list[int]:
-    with engine(dtype="float32", prefix_caching=False) as llm:
-        return greedy(llm, ids)
 
 
 def corrupt_chunk(url: str, conn, ids: list[int], chunk: int) -> None:

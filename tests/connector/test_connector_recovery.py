@@ -16,17 +16,6 @@ from vllm_kvcodec.connector.facade import live_connectors
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module")
-def ids() -> list[int]:
-    from vllm_kvcodec.tools.smollm2 import sample_token_ids
-
-    return sample_token_ids(900)
-
-
-@pytest.fixture(scope="module")
-def recompute_tokens(ids) -> list[int]:
-    with engine(dtype="float32", prefix_caching=False) as llm:
-        return greedy(llm, ids)
 
 
 def scheduler_stats() -> dict:

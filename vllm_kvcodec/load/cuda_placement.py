@@ -27,8 +27,7 @@ after vLLM starts recomputing those blocks.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,9 +45,6 @@ from vllm_kvcodec.gpu import splitzip_triton as sz
 from vllm_kvcodec.load.fetcher import Decoded, Fetcher, Placement
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PagedLayout
-
-if TYPE_CHECKING:
-    from vllm_kvcodec.stats import ConnectorStats
 
 FLAG_BYTES = 8  # two int32 device validation flags of a SplitZip decode
 
@@ -153,18 +149,10 @@ class CudaPlacement(Placement):
 class CudaFetcher(Fetcher):
     """The load path with :class:`CudaPlacement`: everything else is the host fetcher's."""
 
-    def __init__(
-        self,
-        store: Store,
-        addresses: ObjectAddresses,
-        caches: list[torch.Tensor],
-        layouts: list[PagedLayout],
-        threads: int,
-        stats: ConnectorStats,
-        observe_transfer: Callable[[int, float], None] | None = None,
-    ) -> None:
+    def __init__(self, store: Store, addresses: ObjectAddresses, caches: list[torch.Tensor],
+                 layouts: list[PagedLayout], threads: int, *args: Any, **kwargs: Any) -> None:
         placement = CudaPlacement(caches, layouts, threads)
-        super().__init__(store, addresses, caches, layouts, threads, stats, observe_transfer, placement)
+        super().__init__(store, addresses, caches, layouts, threads, *args, placement=placement, **kwargs)
         self.side, self.pages = placement.side, placement.pages
 
 
