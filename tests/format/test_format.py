@@ -128,7 +128,7 @@ def test_unknown_codec_in_header(small_kv) -> None:
 
 
 def test_unsupported_dtype_is_a_clear_error() -> None:
-    with pytest.raises(UnsupportedDTypeError, match="bfloat16, float16 or float32"):
+    with pytest.raises(UnsupportedDTypeError, match="bfloat16, float16, float32, float8_e4m3fn or float8_e5m2"):
         encode_chunk(torch.zeros(4, dtype=torch.int8), "raw")
     with pytest.raises(UnsupportedDTypeError, match="cannot encode float16"):
         encode_chunk(torch.zeros(4, dtype=torch.float16), "splitzip")

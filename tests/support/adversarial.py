@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_BITS_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+_BITS_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+              torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 
 
 def bits_view(t: torch.Tensor) -> torch.Tensor:

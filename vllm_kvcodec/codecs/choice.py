@@ -32,7 +32,7 @@ MIN_SAMPLE_BYTES = 64 << 10
 
 class CodecChooser:
     def __init__(
-        self, spec: str | dict[str, Any], candidates: tuple[str, ...] = AUTO_CANDIDATES,
+        self, spec: str | dict[str, Any], candidates: tuple[str | dict[str, Any], ...] = AUTO_CANDIDATES,
         initial_gbps: float = 10.0, decoders: int = 1,
     ) -> None:
         self.auto = spec == AUTO

@@ -160,7 +160,7 @@ class KVCodecRemoteConnector(RemoteConnector):
             codec = self._codecs.get(dtype)
             if codec is not None:
                 return codec
-            wire = DType.from_torch(dtype)  # UnsupportedDTypeError for fp8 and friends
+            wire = DType.from_torch(dtype)  # UnsupportedDTypeError for uint8 and other non-float elements
             try:
                 codec, fell_back = policy.codec_for(self.settings.codec, wire, unsupported="fallback")
             except ConfigError as exc:

