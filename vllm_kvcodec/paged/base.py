@@ -4,7 +4,8 @@ A *page layout* is the only object in vllm-kvcodec that knows how an
 attention backend lays K and V out inside vLLM's KV cache blocks. Everything
 else (codecs, chunk format, store, fetcher) sees the canonical layout::
 
-    [2 (K, V), tokens, kv_heads, head_dim]     per layer, in the model's dtype
+    [2 (K, V), tokens, kv_heads, head_dim]     per layer, in the cache's dtype
+                                               (the model's, or float8 for fp8 caches)
 
 A layout is bound to one geometry (block size, kv heads, head size, dtype)
 and is stateless otherwise, so one instance serves every layer that shares the
@@ -26,7 +27,8 @@ Identity: ``layout_id`` and ``canonical``
     ``layout_id`` names the byte layout of one (block, head) page, e.g.
     ``"cpu_attn-amx-v1"``; two layouts with the same id read and write the
     same bytes. ``canonical`` is True when :meth:`gather` returns exactly the
-    K/V values the model computed (no quantisation, no padding) and
+    K/V elements the cache holds for each token (no re-quantisation, no
+    padding: for an fp8 cache, the float8 bytes the kernel wrote) and
     :meth:`scatter` writes them back bit-exactly, which is the case for every
     layout in this package. Chunks gathered by canonical layouts are
     interchangeable across layouts: a chunk saved on an AMX machine
@@ -34,8 +36,8 @@ Identity: ``layout_id`` and ``canonical``
     (``packed-kv-v1``). The connector should therefore key chunks with
     :attr:`PagedLayout.key_namespace`, which is the shared
     ``"canonical-v1"`` for canonical layouts and the ``layout_id`` for a
-    non-canonical one (e.g. a future fp8 layout), so that chunks of a
-    non-canonical layout are only ever found by the same layout.
+    non-canonical one, so that chunks of a non-canonical layout are only
+    ever found by the same layout.
     (vLLM's own ``ExampleConnector`` copies pages raw, which is why a store
     written on an AMX machine decodes to garbage on a non-AMX one.)
 """
@@ -54,7 +56,10 @@ from vllm_kvcodec.errors import ConfigError
 CANONICAL_NAMESPACE = "canonical-v1"
 
 #: dtypes a canonical layout can hold (what a chunk can hold, see dtypes.py).
-CANONICAL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CANONICAL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
+#: The 1-byte formats of vLLM's fp8 KV caches. vLLM allocates those caches as ``torch.uint8``
+#: (``STR_DTYPE_TO_TORCH_DTYPE``); a layout for one reads them as the float8 format they hold.
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class PagedLayoutError(ConfigError):
@@ -94,8 +99,9 @@ class Geometry:
                 raise PagedLayoutError(f"{name} must be a positive int, got {value!r}")
         if self.dtype not in CANONICAL_DTYPES:
             raise UnknownLayoutError(
-                f"KV cache dtype {self.dtype} is not supported: layouts move bfloat16, float16 "
-                "or float32 KV bit-exactly; quantised caches (fp8/nvfp4) are not canonical"
+                f"KV cache dtype {self.dtype} is not supported: layouts move bfloat16, float16, "
+                "float32 or float8 (e4m3fn, e5m2) KV bit-exactly; other quantised caches (nvfp4, int8/int4 "
+                "per token-head, turboquant) carry scales or packing inside the page and are refused"
             )
 
 
@@ -163,6 +169,7 @@ class PagedLayout(abc.ABC):
         costs a device sync on GPUs).
         """
         self.check_cache(layer_cache)
+        layer_cache = self._elements(layer_cache)
         slots = self._slots(layer_cache, slots, check=check)
         g = self.geometry
         shape = (2, slots.numel(), g.num_kv_heads, g.head_size)
@@ -193,6 +200,7 @@ class PagedLayout(abc.ABC):
         slot would make the result depend on write order).
         """
         self.check_cache(layer_cache)
+        layer_cache = self._elements(layer_cache)
         slots = self._slots(layer_cache, slots, check=check)
         g = self.geometry
         shape = (2, slots.numel(), g.num_kv_heads, g.head_size)
@@ -212,9 +220,17 @@ class PagedLayout(abc.ABC):
         """Raise :class:`PagedLayoutError` unless ``layer_cache`` fits this layout."""
         if not isinstance(layer_cache, torch.Tensor):
             raise PagedLayoutError(f"expected a torch.Tensor KV cache, got {type(layer_cache).__name__}")
-        if layer_cache.dtype != self.geometry.dtype:
+        if layer_cache.dtype != self.geometry.dtype and not self._is_float8_storage(layer_cache):
             raise PagedLayoutError(f"KV cache dtype {layer_cache.dtype} != layout dtype {self.geometry.dtype}")
         self._check_shape(layer_cache)
+
+    def _is_float8_storage(self, layer_cache: torch.Tensor) -> bool:
+        """vLLM's uint8 storage of a float8 cache: same bytes, read as the layout's float8 format."""
+        return layer_cache.dtype == torch.uint8 and self.geometry.dtype in FLOAT8_DTYPES
+
+    def _elements(self, layer_cache: torch.Tensor) -> torch.Tensor:
+        """The cache as elements of the layout's dtype (a view; the uint8 storage of fp8 caches is reinterpreted)."""
+        return layer_cache.view(self.geometry.dtype) if self._is_float8_storage(layer_cache) else layer_cache
 
     def num_slots(self, layer_cache: torch.Tensor) -> int:
         """How many token slots the cache holds (``num_blocks * block_size``)."""

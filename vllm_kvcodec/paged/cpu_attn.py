@@ -28,6 +28,20 @@ ISA is ``amx``: the dispatcher routes every head size that is not a multiple of
         K half: [head_size, block_size]   (K transposed, column-major)
         V half: [block_size, head_size]   (row-major)
 
+fp8 caches (``kv_cache_dtype`` ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2``; vLLM allocates them as ``uint8``)
+    The same two pages with 1-byte elements (``csrc/cpu/cpu_attn_fp8.hpp``:
+    ``reshape_and_cache_fp8_vec_impl`` / ``..._amx_impl``). VEC is the VEC
+    layout unchanged. AMX packs K in 16-token groups of *pairs* of fp8 and V
+    in 16-dim groups of token pairs, i.e. the AMX formula with ``P = 2`` (16-bit
+    units), not ``4 // itemsize``. The kernels quantise ``x / scale`` with one
+    scalar routine for both ISAs, so the bytes do not depend on the ISA. vLLM
+    refuses fp8 for head sizes not divisible by 32 (no VEC16 fp8 kernel) and on
+    x86 CPUs without AVX-512 or AMX; the ``amx_fp8`` kernel (Diamond Rapids,
+    another K packing) is never chosen by vLLM 0.32 and is refused here.
+    The VEC fp8 page was confirmed on the installed binary's disassembly; both
+    are checked against vLLM's op at start-up wherever the op runs fp8, and
+    refused wherever it does not (see :func:`verify_with_vllm_op`).
+
 Both were read from vLLM's kernels (``csrc/cpu/cpu_attn_amx.hpp``,
 ``cpu_attn_vec.hpp``, ``cpu_attn_vec16.hpp``, ``generate_cpu_attn_dispatch.py``)
 and confirmed on the installed binary: for every ISA string, dtype, head size
@@ -58,6 +72,8 @@ from vllm_kvcodec.paged.base import (
 KNOWN_ISAS = ("amx", "vec", "vec16")
 #: ISA strings vLLM 0.32 may choose that we refuse (unverified kernels).
 REFUSED_ISAS = ("neon", "vxe", "vsx", "rvv")
+#: vLLM's ``kv_cache_dtype`` name of each float8 format (what its CPU op is told).
+FP8_CACHE_DTYPE_NAMES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
 class _CpuAttnLayout(PagedLayout):
@@ -123,25 +139,32 @@ class CpuAttnAmxLayout(_CpuAttnLayout):
 
     def __init__(self, geometry: Geometry) -> None:
         super().__init__(geometry)
-        p = 4 // geometry.dtype.itemsize
-        tile_k = 64 // geometry.dtype.itemsize  # the op's own TORCH_CHECK on block_size
+        itemsize = geometry.dtype.itemsize
+        # Elements per packed unit: a 32-bit dword for bf16/fp16/fp32, a 16-bit pair for fp8.
+        p = 2 if itemsize == 1 else 4 // itemsize
+        tile_k = 32 if itemsize == 1 else 64 // itemsize  # the op's TORCH_CHECK on block_size; fp8: vLLM's block%32
         if geometry.block_size % tile_k or geometry.head_size % 32:
             raise UnknownLayoutError(
                 f"the AMX layout needs block_size % {tile_k} == 0 and head_size % 32 == 0, got "
                 f"block_size={geometry.block_size}, head_size={geometry.head_size}"
             )
         self._p = p
+        self._unit = {1: None, 2: torch.int16, 4: torch.int32}[p * itemsize] if p > 1 else None
+
+    def _units(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` read a packed unit (P elements) at a time: the last axis shrinks by P."""
+        return t.view(self._unit) if self._unit is not None else t
 
     def _views(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K as ``[B, H, N/16, D/P, 16]`` *dwords* and V as ``[B, H, D/16, N/P, 16, P]`` elements.
+        """K as ``[B, H, N/16, D/P, 16]`` *units* and V as ``[B, H, D/16, N/P, 16, P]`` elements.
 
-        Reading K a dword (P elements) at a time keeps the innermost indexed
+        Reading K a unit (P elements) at a time keeps the innermost indexed
         axis long (D/P) instead of P, which makes gather/scatter ~3x faster.
         """
         bs, d, p = self.geometry.block_size, self.geometry.head_size, self._p
-        # K element (t, e) at (t//16)*16*D + (e//P)*16*P + (t%16)*P + e%P  ->  dword (t//16, e//P, t%16)
-        dwords = c.view(torch.int32) if p == 2 else c
-        k = dwords.as_strided(
+        # K element (t, e) at (t//16)*16*D + (e//P)*16*P + (t%16)*P + e%P  ->  unit (t//16, e//P, t%16)
+        units = self._units(c)
+        k = units.as_strided(
             (c.shape[0], c.shape[1], bs // 16, d // p, 16),
             (c.stride(0) // p, c.stride(1) // p, 16 * d // p, 16, 1),
             c.storage_offset() // p,
@@ -155,8 +178,8 @@ class CpuAttnAmxLayout(_CpuAttnLayout):
         k, v = self._views(c)
         t = slots.numel()
         h, d, p = self.geometry.num_kv_heads, self.geometry.head_size, self._p
-        out_k = out[0].view(torch.int32) if p == 2 else out[0]
-        out_k[...] = k[blk, :, off // 16, :, off % 16]  # [T, H, D/P] dwords
+        out_k = self._units(out[0])
+        out_k[...] = k[blk, :, off // 16, :, off % 16]  # [T, H, D/P] units
         out[1] = v[blk, :, :, off // p, :, off % p].reshape(t, h, d)  # [T, H, D/16, 16]
 
     def _scatter(self, c: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
@@ -164,16 +187,16 @@ class CpuAttnAmxLayout(_CpuAttnLayout):
         k, v = self._views(c)
         t = slots.numel()
         h, d, p = self.geometry.num_kv_heads, self.geometry.head_size, self._p
-        key = kv[0].contiguous()
-        k[blk, :, off // 16, :, off % 16] = key.view(torch.int32) if p == 2 else key
+        k[blk, :, off // 16, :, off % 16] = self._units(kv[0].contiguous())
         v[blk, :, :, off // p, :, off % p] = kv[1].reshape(t, h, d // 16, 16)
 
 
-def kernel_isa(isa: str, head_size: int) -> str:
-    """The kernel vLLM's CPU attention op really runs for an ``isa`` string and head size.
+def kernel_isa(isa: str, head_size: int, dtype: torch.dtype | None = None) -> str:
+    """The kernel vLLM's CPU attention op really runs for an ``isa`` string, head size and cache dtype.
 
     The op's dispatcher sends every head size that is not a multiple of 32
-    (80, 112, 48, ...) to VEC16 whatever ISA was asked for.
+    (80, 112, 48, ...) to VEC16 whatever ISA was asked for; fp8 caches have
+    no VEC16 kernel, so vLLM refuses those head sizes, and so does this.
     """
     isa = isa.lower()
     if isa in REFUSED_ISAS:
@@ -181,9 +204,19 @@ def kernel_isa(isa: str, head_size: int) -> str:
             f"CPU_ATTN ISA {isa!r} has its own page layout that vllm-kvcodec has not verified; "
             "refusing to guess (verify it with tests/paged/test_paged_layouts.py on such a machine)"
         )
+    if isa == "amx_fp8":
+        raise UnknownLayoutError(
+            "CPU_ATTN ISA 'amx_fp8' (Diamond Rapids) packs fp8 K as [N/16][D/64][16 tokens][64 bytes], a page "
+            "vllm-kvcodec has not verified (vLLM 0.32 never selects it); refusing to guess"
+        )
     if isa not in KNOWN_ISAS:
         raise UnknownLayoutError(f"unknown CPU_ATTN ISA {isa!r} (known: {', '.join(KNOWN_ISAS)})")
     if head_size % 32:
+        if dtype in FP8_CACHE_DTYPE_NAMES:
+            raise UnknownLayoutError(
+                f"an fp8 KV cache needs head_size divisible by 32 on CPU (vLLM has no VEC16 fp8 kernel), "
+                f"got head_size={head_size}"
+            )
         return "vec16"
     return isa
 
@@ -197,7 +230,7 @@ _LAYOUTS: dict[str, type[_CpuAttnLayout]] = {
 
 def cpu_attn_layout(isa: str, geometry: Geometry) -> _CpuAttnLayout:
     """The layout for a CPU_ATTN layer whose ``layer.isa`` is ``isa``."""
-    return _LAYOUTS[kernel_isa(isa, geometry.head_size)](geometry)
+    return _LAYOUTS[kernel_isa(isa, geometry.head_size, geometry.dtype)](geometry)
 
 
 def engine_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> str:
@@ -223,21 +256,47 @@ def vllm_write_op_available() -> bool:
 
 
 def vllm_write(layer_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, isa: str) -> None:
-    """Write ``kv`` ``[2, T, H, D]`` into ``layer_cache`` exactly as CPU_ATTN's forward does."""
+    """Write ``kv`` ``[2, T, H, D]`` into ``layer_cache`` exactly as CPU_ATTN's forward does.
+
+    For an fp8 cache (``kv`` in a float8 dtype, the cache ``uint8`` or that
+    float8 dtype) the op is given the bfloat16 values of ``kv`` and scales of
+    1.0, as a bf16 model's forward would with an uncalibrated checkpoint;
+    every float8 value except NaN, infinity and -0 is a bfloat16 value the
+    op's quantiser maps back to the same byte, so those bytes land unchanged.
+    """
     import vllm._custom_ops  # noqa: F401
 
+    cache_dtype = FP8_CACHE_DTYPE_NAMES.get(kv.dtype, "auto")
+    if cache_dtype != "auto":
+        layer_cache = layer_cache.view(torch.uint8)
+        kv = kv.to(torch.bfloat16)
     nb, h, bs, c = layer_cache.shape
     key_cache, value_cache = layer_cache.view(nb, h, 2 * bs, c // 2).chunk(2, dim=2)
     torch.ops._C.cpu_attn_reshape_and_cache(
-        kv[0], kv[1], key_cache, value_cache, slots.to(torch.int64), isa, 1.0, 1.0, "auto"
+        kv[0], kv[1], key_cache, value_cache, slots.to(torch.int64), isa, 1.0, 1.0, cache_dtype
     )
 
 
-def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Random bit patterns of ``dtype`` (NaNs, infinities, subnormals included): the op must move any bits."""
+def random_cache_bits(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random bit patterns of ``dtype`` that vLLM's write op stores unchanged.
+
+    For bf16/fp16/fp32 any bits (NaNs, infinities, subnormals included): the op
+    copies them. For float8 every byte whose value survives the op's bf16 ->
+    fp8 quantiser: all but NaN, infinities and -0 (which the op writes as
+    +0), subnormals included.
+    """
+    if dtype in FP8_CACHE_DTYPE_NAMES:
+        raw = torch.randint(0, 256, shape, dtype=torch.int16, generator=generator).to(torch.uint8)
+        values = raw.view(dtype).to(torch.float32)
+        keep = torch.isfinite(values) & (raw != 0x80)
+        return torch.where(keep, raw, torch.full_like(raw, 0x01)).view(dtype)
     wide = torch.int32 if dtype.itemsize == 4 else torch.int16
     info = torch.iinfo(wide)
     return torch.randint(info.min, info.max, shape, dtype=wide, generator=generator).view(dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.dtype.itemsize])
 
 
 def verify_with_vllm_op(layout: _CpuAttnLayout, isa: str | None = None) -> None:
@@ -245,25 +304,26 @@ def verify_with_vllm_op(layout: _CpuAttnLayout, isa: str | None = None) -> None:
 
     Costs well under a millisecond; :func:`~vllm_kvcodec.paged.factory.layout_for`
     runs it so that a vLLM build with a changed kernel fails loudly instead of
-    storing scrambled KV.
+    storing scrambled KV. A build whose op refuses the configuration (an AVX2
+    build asked for AMX or for fp8) raises :class:`UnknownLayoutError`: a layout
+    that cannot be checked is not used.
     """
     g = layout.geometry
     isa = isa or layout.isa
     gen = torch.Generator().manual_seed(0)
     slots = torch.randperm(2 * g.block_size, generator=gen)[: g.block_size + 3]
-    kv = _random_bits((2, slots.numel(), g.num_kv_heads, g.head_size), g.dtype, gen)
+    kv = random_cache_bits((2, slots.numel(), g.num_kv_heads, g.head_size), g.dtype, gen)
     ref = torch.zeros((2, g.num_kv_heads, g.block_size, 2 * g.head_size), dtype=g.dtype)
     try:
         vllm_write(ref, slots, kv, isa)
-    except RuntimeError as exc:
+    except (RuntimeError, NotImplementedError) as exc:
         raise UnknownLayoutError(f"vLLM's CPU_ATTN write op refuses isa={isa!r} for {g}: {exc}") from None
     mine = torch.zeros_like(ref)
     layout.scatter(mine, slots, kv)
-    bits = torch.int32 if g.dtype.itemsize == 4 else torch.int16
-    if not torch.equal(ref.view(bits), mine.view(bits)):
+    if not torch.equal(_bits(ref), _bits(mine)):
         raise LayoutMismatchError(
             f"{layout.layout_id} does not match the bytes vLLM's cpu_attn_reshape_and_cache "
             f"writes for isa={isa!r}, {g}; the installed vLLM changed its CPU page layout"
         )
-    if not torch.equal(layout.gather(ref, slots).view(bits), kv.view(bits)):
+    if not torch.equal(_bits(layout.gather(ref, slots)), _bits(kv)):
         raise LayoutMismatchError(f"{layout.layout_id} gather disagrees with vLLM's op for isa={isa!r}")

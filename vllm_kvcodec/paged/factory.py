@@ -6,13 +6,17 @@ The attention backend decides the layout, the tensor decides the geometry:
   interior depends on the ISA string of the layer (``layer.isa``): ``amx`` ->
   :class:`CpuAttnAmxLayout`, ``vec`` / ``vec16`` (and every head size that is
   not a multiple of 32) -> the VEC layout. Checked against vLLM's own write op
-  before it is returned (``verify``), when that op is importable.
+  before it is returned (``verify``), when that op is importable. An fp8
+  cache (``kv_cache_dtype`` ``fp8``/``fp8_e4m3``/``fp8_e5m2``, a ``uint8``
+  tensor) gets the same layouts over float8 elements, and its check against
+  the op is not optional: where the op cannot write fp8 the layout is refused.
 - ``FLASH_ATTN`` / ``FLASHINFER`` / ``TRITON_ATTN`` / ``FLEX_ATTENTION``: the
   packed K‖V view of vLLM >= 0.28 (4-D), or the split K/V tensors of older
   vLLM (5-D: ``(2, B, N, H, D)`` for FlashAttention, ``(B, 2, N, H, D)`` for
   FlashInfer).
-- anything else (MLA, fp8/nvfp4 caches, padded head sizes, other backends and
-  ISAs): :class:`UnknownLayoutError`.
+- anything else (MLA, fp8 caches of GPU backends, nvfp4 and the other
+  quantised caches, padded head sizes, other backends and ISAs):
+  :class:`UnknownLayoutError`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from vllm_kvcodec.paged.base import (
     CANONICAL_DTYPES,
+    FLOAT8_DTYPES,
     Geometry,
     PagedLayout,
     PagedLayoutError,
@@ -51,6 +56,9 @@ _ALIASES = {
 }
 KNOWN_BACKENDS = ("CPU_ATTN", *PACKED_BACKENDS)
 _UNQUANTISED_CACHE_DTYPES = frozenset({"auto", "bfloat16", "float16", "half", "float32", "float"})
+#: vLLM's fp8 ``kv_cache_dtype`` names -> the float8 format their uint8 cache holds ("fp8" is E4M3).
+FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_CACHE_NAMES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 Verify = bool | Literal["auto"]
 
@@ -81,7 +89,9 @@ def layout_for(
     the tensor's token axis.
 
     ``verify``: ``"auto"`` checks CPU_ATTN layouts against vLLM's own write op
-    whenever it is importable, ``True`` requires that check, ``False`` skips it.
+    whenever it is importable (for an fp8 cache: always, and refuses the
+    layout where the op cannot write fp8), ``True`` requires that check,
+    ``False`` skips it (tests of the formulas only).
     """
     backend, info = _resolve_source(source, layer_name)
     isa = isa or info.get("isa")
@@ -100,20 +110,10 @@ def layout_for(
             f"expected the per-layer KV cache tensor, got {type(kv_cache).__name__}"
             " (a layer without per-layer views, e.g. Mamba state, has no KV to move)"
         )
-    if kv_cache_dtype is not None and _dtype_name(kv_cache_dtype) not in _UNQUANTISED_CACHE_DTYPES:
-        raise UnknownLayoutError(
-            f"{backend}: kv_cache_dtype={kv_cache_dtype!r} is quantised; only unquantised "
-            "bfloat16/float16/float32 caches are moved (bit-exactly)"
-        )
-    if kv_cache.dtype not in CANONICAL_DTYPES:
-        raise UnknownLayoutError(
-            f"{backend}: KV cache tensor dtype {kv_cache.dtype} is not bfloat16/float16/float32 "
-            "(fp8 / nvfp4 caches are not supported)"
-        )
-    if dtype is not None and dtype != kv_cache.dtype:
-        raise PagedLayoutError(f"{backend}: KV cache dtype {kv_cache.dtype} != expected {dtype}")
-
-    geometry = _geometry(backend, kv_cache, head_size, num_kv_heads, block_size)
+    elements = _element_dtype(backend, kv_cache, kv_cache_dtype, dtype)
+    geometry = _geometry(backend, kv_cache, head_size, num_kv_heads, block_size, elements)
+    if elements in FLOAT8_DTYPES:
+        return _fp8_layout(backend, kv_cache, geometry, isa, dtype or torch.bfloat16, verify)
 
     if backend == "CPU_ATTN":
         if kv_cache.dim() != 4:
@@ -163,6 +163,7 @@ def layouts_for(vllm_config: Any, kv_caches: dict[str, torch.Tensor], **kwargs: 
         sig = (
             _backend_name(layer.attn_backend),
             getattr(layer, "isa", None),
+            _dtype_name(getattr(layer, "kv_cache_dtype", "auto")),
             tuple(cache.shape[1:]),
             cache.dtype,
             cache.dim(),
@@ -189,6 +190,54 @@ def shared_kv_layers(kv_caches: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 # ---- helpers ------------------------------------------------------------------------------
+def _element_dtype(backend: str, kv_cache: torch.Tensor, kv_cache_dtype: Any, dtype: torch.dtype | None) -> torch.dtype:
+    """What the cache's elements are: its own dtype, or for an fp8 cache the float8 format of its uint8 bytes."""
+    name = _dtype_name(kv_cache_dtype) if kv_cache_dtype is not None else None
+    if name in FP8_CACHE_DTYPES:
+        if kv_cache.dtype not in (torch.uint8, FP8_CACHE_DTYPES[name]):
+            raise PagedLayoutError(f"{backend}: kv_cache_dtype={name!r} but the cache tensor is {kv_cache.dtype}")
+        return FP8_CACHE_DTYPES[name]
+    if name is not None and name not in _UNQUANTISED_CACHE_DTYPES:
+        raise UnknownLayoutError(
+            f"{backend}: kv_cache_dtype={kv_cache_dtype!r} is not supported: vllm-kvcodec moves bfloat16, "
+            "float16, float32 and fp8 (fp8, fp8_e4m3, fp8_e5m2) caches; the other quantised caches carry "
+            "scales or packing inside the page"
+        )
+    if kv_cache.dtype not in CANONICAL_DTYPES or kv_cache.dtype in FLOAT8_DTYPES:
+        raise UnknownLayoutError(
+            f"{backend}: KV cache tensor dtype {kv_cache.dtype} is not bfloat16/float16/float32 "
+            "(an fp8 cache is told by its layer's kv_cache_dtype; other quantised caches are not supported)"
+        )
+    if dtype is not None and dtype != kv_cache.dtype:
+        raise PagedLayoutError(f"{backend}: KV cache dtype {kv_cache.dtype} != expected {dtype}")
+    return kv_cache.dtype
+
+
+def _fp8_layout(backend: str, kv_cache: torch.Tensor, geometry: Geometry, isa: str | None,
+                model_dtype: torch.dtype, verify: Verify) -> PagedLayout:
+    """An fp8 cache's layout: CPU_ATTN only, and only once vLLM's own op wrote the same bytes."""
+    if backend != "CPU_ATTN":
+        raise UnknownLayoutError(
+            f"{backend}: fp8 KV caches of GPU backends are not supported yet (their write op quantises "
+            "with round-to-nearest and cannot be checked here); refusing rather than guessing their bytes"
+        )
+    if kv_cache.dim() != 4:
+        raise UnknownLayoutError(f"CPU_ATTN KV cache must be 4-D, got shape {tuple(kv_cache.shape)}")
+    if isa is None:
+        try:
+            isa = engine_isa(model_dtype, geometry.block_size, geometry.head_size, FP8_CACHE_NAMES[geometry.dtype])
+        except NotImplementedError as exc:  # vLLM's own refusal, e.g. no AVX-512/AMX
+            raise UnknownLayoutError(f"CPU_ATTN: vLLM refuses this fp8 KV cache here: {exc}") from None
+    layout = cpu_attn_layout(isa, geometry)
+    if verify is not False:
+        if not vllm_write_op_available():
+            raise UnknownLayoutError("an fp8 CPU_ATTN layout is only used once checked against vLLM's "
+                                     "cpu_attn_reshape_and_cache op, which is not importable here")
+        verify_with_vllm_op(layout, isa)
+    layout.check_cache(kv_cache)
+    return layout
+
+
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).lower().removeprefix("torch.")
 
@@ -249,6 +298,7 @@ def _geometry(
     head_size: int | None,
     num_kv_heads: int | None,
     block_size: int | None,
+    elements: torch.dtype,
 ) -> Geometry:
     if t.dim() == 4:
         _, h, n, c = t.shape
@@ -272,7 +322,7 @@ def _geometry(
             f"{backend}: cache blocks hold {n} tokens, expected {block_size}; with kernel block "
             "splitting the layout's block size is the tensor's (kernel) block size"
         )
-    return Geometry(num_kv_heads=int(h), head_size=int(d), block_size=int(n), dtype=t.dtype)
+    return Geometry(num_kv_heads=int(h), head_size=int(d), block_size=int(n), dtype=elements)
 
 
 __all__ = ["layout_for", "layouts_for", "shared_kv_layers", "kernel_isa", "KNOWN_BACKENDS"]
