@@ -1,7 +1,8 @@
 """Chunk keys: a hash chain over token ids inside a namespace.
 
 The namespace digests everything that makes two chunks' bytes incomparable:
-model identity (weights fingerprint), dtype, KV geometry, the content layout,
+model identity (weights fingerprint), dtype (``fp8_e4m3`` / ``fp8_e5m2`` for fp8
+caches, with a digest of their per-layer scales), KV geometry, the content layout,
 the compute identity (platform, kernels, versions; see identity.py),
 tensor-parallel size, chunking, layer grouping and format version, plus an
 optional deployment salt. A chunk's key covers the whole prefix up to it
@@ -44,11 +45,21 @@ class Namespace:
     # Objects are key-bound chunks (format flag KEY_BOUND) and readers require it; part of the
     # digest so that unbound objects written before this rule are never found, never re-read.
     key_bound: bool = True
+    # Added after the first release; in the digest only when set, so every namespace that does
+    # not need them keeps the digest (and the stored chunks) it had.
+    kv_scales: str = ""  # fp8 caches: digest of the per-layer (k_scale, v_scale), see connector/cache_identity.py
 
     @functools.cached_property
     def digest(self) -> str:
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        fields = dataclasses.asdict(self)
+        for name in _OPTIONAL_FIELDS:
+            if not fields[name]:
+                del fields[name]
+        blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return xxhash.xxh3_128_hexdigest(blob)
+
+
+_OPTIONAL_FIELDS = ("kv_scales",)
 
 
 def chunk_hashes(

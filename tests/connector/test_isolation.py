@@ -29,6 +29,7 @@ TOKENS = list(range(1000, 1000 + 512))
         {"model_id": "m#2"}, {"dtype": "float16"}, {"num_layers": 31}, {"num_kv_heads": 4},
         {"head_dim": 128}, {"layout_id": "cpu_attn-vec-v1"}, {"tp_size": 2}, {"chunk_size": 256},
         {"layers_per_object": 6}, {"salt": "tenant-b"}, {"compute": "cuda"}, {"format_version": 2},
+        {"dtype": "fp8_e4m3"}, {"kv_scales": "0" * 32},
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -36,6 +37,27 @@ def test_every_namespace_field_separates_keys(change: dict) -> None:
     other = dataclasses.replace(BASE, **change)
     assert other.digest != BASE.digest
     assert set(chunk_hashes(other, TOKENS, 2)).isdisjoint(chunk_hashes(BASE, TOKENS, 2))
+
+
+def test_fields_added_later_keep_the_digests_of_namespaces_without_them() -> None:
+    """A namespace that does not use kv_scales (every bf16 one) has the digest it had before the field existed."""
+    assert BASE.digest == "c4c9c65dcf2ada017cd333cb08478e3d"  # af2bc07's digest of BASE
+    assert dataclasses.replace(BASE, kv_scales="").digest == BASE.digest
+
+
+def test_fp8_scales_separate_keys() -> None:
+    """Same bytes under another scale are other values: a re-calibrated checkpoint never shares chunks."""
+    from types import SimpleNamespace
+
+    from vllm_kvcodec.connector.cache_identity import scales_digest
+
+    ones = [SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0) for _ in range(3)]
+    calibrated = ones[:2] + [SimpleNamespace(_k_scale_float=1.0, _v_scale_float=0.5)]
+    assert scales_digest(ones) == scales_digest([SimpleNamespace() for _ in range(3)])  # vLLM's default is 1.0
+    assert scales_digest(ones) != scales_digest(calibrated) != scales_digest(ones[:2])
+    a = dataclasses.replace(BASE, dtype="fp8_e4m3", kv_scales=scales_digest(ones))
+    b = dataclasses.replace(a, kv_scales=scales_digest(calibrated))
+    assert set(chunk_hashes(a, TOKENS, 2)).isdisjoint(chunk_hashes(b, TOKENS, 2))
 
 
 @pytest.mark.parametrize(
@@ -98,6 +120,13 @@ def test_real_engine_configs_get_separate_namespaces() -> None:
     assert '"platform": "cpu"' in bf16.compute and '"isa"' in bf16.compute
     portable = _namespace(connector={"share_across_platforms": True})
     assert portable.compute == "" and portable.digest != bf16.digest
+
+
+def test_fp8_cache_dtypes_name_their_bytes() -> None:
+    """fp8 and fp8_e4m3 write the same bytes (one namespace); fp8_e5m2 and bf16 do not."""
+    e4m3, alias, e5m2 = (_namespace(kv_cache_dtype=d) for d in ("fp8_e4m3", "fp8", "fp8_e5m2"))
+    assert e4m3.dtype == alias.dtype == "fp8_e4m3" and e5m2.dtype == "fp8_e5m2"
+    assert e4m3 == alias and len({e4m3.digest, e5m2.digest, _namespace().digest}) == 3
 
 
 @pytest.mark.engine

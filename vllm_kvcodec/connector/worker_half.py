@@ -13,6 +13,7 @@ What became of every load and save goes back to the scheduler half in
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import re
@@ -24,6 +25,7 @@ import torch
 
 from storage.options import redact_url
 from vllm_kvcodec.codecs.choice import CodecChooser
+from vllm_kvcodec.connector.cache_identity import KVCodecHandshake, is_fp8, scales_digest
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
@@ -58,7 +60,8 @@ class WorkerHalf:
         self.vllm_config, self.config, self.namespace = vllm_config, config, namespace
         self.groups, self.tp_rank = groups, tp_rank
         self.stats = ConnectorStats()
-        self.chooser = CodecChooser(_codec_spec(config.codec, DType.parse(namespace.dtype)),
+        dtype = DType.parse(namespace.dtype)
+        self.chooser = CodecChooser(_codec_spec(config.codec, dtype), candidates=policy.auto_candidates(dtype),
                                     decoders=min(config.fetch_threads, os.cpu_count() or 1))
         self.store = open_connector_store(config)
         self.fetcher: Fetcher | None = None
@@ -84,9 +87,8 @@ class WorkerHalf:
         names = sorted(own, key=layer_index)
         if len(names) != self.namespace.num_layers:
             raise ConfigError(f"expected {self.namespace.num_layers} KV layers, vLLM registered {len(names)}")
-        for name in names:
-            if layouts[name].key_namespace != CANONICAL_NAMESPACE:
-                raise ConfigError(f"layer {name}: layout {layouts[name].layout_id} is not canonical; cannot share chunks")
+        self._check_layouts(names, layouts)
+        self._adopt_scales(names)
         self._layer_of = {name: i for i, name in enumerate(names)}
         self._layer_of.update({name: self._layer_of[target] for name, target in shared.items()})
         caches = [own[n] for n in names]
@@ -100,6 +102,35 @@ class WorkerHalf:
         self.save_gather = save_gather_for(caches, ordered, self.saver)
         logger.info("kvcodec: %d KV layers in %d groups, layout %s, store %s, codec %s",
                     len(names), len(self.groups), ordered[0].layout_id, redact_url(self.config.store), self.chooser.fixed or "auto")
+
+    def _check_layouts(self, names: list[str], layouts: dict[str, Any]) -> None:
+        """Every layer canonical, in the namespace's dtype, one geometry: what one stored object can hold."""
+        want = DType.parse(self.namespace.dtype).torch_dtype
+        first = layouts[names[0]]
+        for name in names:
+            a = layouts[name]
+            if a.key_namespace != CANONICAL_NAMESPACE:
+                raise ConfigError(f"layer {name}: layout {a.layout_id} is not canonical; cannot share chunks")
+            if a.dtype != want:
+                raise ConfigError(f"layer {name}: KV cache holds {a.dtype}, the namespace {self.namespace.dtype}; "
+                                  "mixed KV cache dtypes are not supported")
+            if (a.num_kv_heads, a.head_size) != (first.num_kv_heads, first.head_size):
+                raise ConfigError(f"layer {name}: {a.num_kv_heads} kv heads x {a.head_size} differ from layer "
+                                  f"{names[0]}'s {first.num_kv_heads} x {first.head_size}; one stored object holds "
+                                  "layers of one geometry")
+
+    def _adopt_scales(self, names: list[str]) -> None:
+        """fp8 caches: the layers' scales (loaded with the weights by now) join the namespace."""
+        if not is_fp8(self.namespace.dtype):
+            return
+        ctx = self.vllm_config.compilation_config.static_forward_context
+        digest = scales_digest(ctx[name] for name in names)
+        self.namespace = dataclasses.replace(self.namespace, kv_scales=digest)
+        logger.info("kvcodec: %s KV cache, per-layer scales digest %s", self.namespace.dtype, digest[:12])
+
+    def handshake(self) -> KVCodecHandshake:
+        """What the scheduler half needs from this worker before it keys any chunk (vLLM's connector handshake)."""
+        return KVCodecHandshake(kv_scales=self.namespace.kv_scales, namespace_digest=self.namespace.digest)
 
     # ---- load -----------------------------------------------------------------------
     def start_load_kv(self, meta: KVCodecMetadata) -> None:

