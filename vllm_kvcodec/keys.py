@@ -48,6 +48,7 @@ class Namespace:
     # Added after the first release; in the digest only when set, so every namespace that does
     # not need them keeps the digest (and the stored chunks) it had.
     kv_scales: str = ""  # fp8 caches: digest of the per-layer (k_scale, v_scale), see connector/cache_identity.py
+    attention: str = ""  # each layer's attention kind ("window:W", "full") unless all are plain full attention
 
     @functools.cached_property
     def digest(self) -> str:
@@ -59,7 +60,7 @@ class Namespace:
         return xxhash.xxh3_128_hexdigest(blob)
 
 
-_OPTIONAL_FIELDS = ("kv_scales",)
+_OPTIONAL_FIELDS = ("kv_scales", "attention")
 
 
 def chunk_hashes(

@@ -14,11 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.support.engine import BLOCK, connector_config, engine, greedy, worker_connector
-from vllm_kvcodec.format import decode_chunk
-from vllm_kvcodec.keys import object_key
+from tests.support.engine import BLOCK, assert_paged_kv_equals_stored, connector_config, engine, greedy, worker_connector
 
 pytestmark = pytest.mark.engine
 
@@ -86,23 +83,6 @@ def test_bf16_loads_match_local_prefix_cache(codec: str, store: str, load_mode: 
         assert any(k.startswith("codec_") and k.endswith("_loads") for k in stats)
         if codec != "auto":
             assert stats[f"codec_{codec}_loads"] > 0
-
-
-def assert_paged_kv_equals_stored(conn, url: str) -> None:
-    """Read the loaded slots back through the layout and compare with the stored chunk, bit for bit."""
-    from storage import open_store
-
-    worker = conn.worker
-    spec = worker.recent_loads[-1]
-    with open_store(url) as store:
-        for chunk in spec.chunks:
-            slots = torch.tensor(chunk.slots)
-            for g, layers in enumerate(worker.groups):
-                stored = decode_chunk(store.get(object_key(worker.namespace, chunk.chunk_hash, 0, g)))
-                part = stored[:, :, chunk.first_token : chunk.first_token + len(chunk.slots)]
-                for i, layer in enumerate(layers):
-                    paged = worker.layouts[layer].gather(worker.caches[layer], slots)
-                    assert torch.equal(paged.view(torch.int16), part[i].view(torch.int16))
 
 
 @pytest.fixture(scope="module")

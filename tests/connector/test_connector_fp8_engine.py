@@ -16,9 +16,7 @@ import functools
 import pytest
 import torch
 
-from tests.support.engine import BLOCK, connector_config, engine, greedy, worker_connector
-from vllm_kvcodec.format import decode_chunk
-from vllm_kvcodec.keys import object_key
+from tests.support.engine import BLOCK, assert_paged_kv_equals_stored, connector_config, engine, greedy, worker_connector
 
 pytestmark = pytest.mark.engine
 
@@ -102,24 +100,6 @@ def test_fp8_cache_saved_in_one_engine_loads_bit_exactly_in_a_fresh_one(codec, c
             assert tokens == reference_tokens[name], name
             assert stats.get("load_failures", 0) == 0
             assert stats[f"codec_{codec or 'zstd'}_loads"] > 0
-
-
-def assert_paged_kv_equals_stored(conn, url: str) -> None:
-    """The loaded slots, read back through the layout, are the stored chunk's bytes."""
-    from storage import open_store
-
-    worker = conn.worker
-    spec = worker.recent_loads[-1]
-    with open_store(url) as store:
-        for chunk in spec.chunks:
-            slots = torch.tensor(chunk.slots)
-            for g, layers in enumerate(worker.groups):
-                stored = decode_chunk(store.get(object_key(worker.namespace, chunk.chunk_hash, 0, g)))
-                assert stored.dtype == worker.layouts[0].dtype
-                part = stored[:, :, chunk.first_token : chunk.first_token + len(chunk.slots)]
-                for i, layer in enumerate(layers):
-                    paged = worker.layouts[layer].gather(worker.caches[layer], slots)
-                    assert torch.equal(paged.view(torch.uint8), part[i].view(torch.uint8))
 
 
 def test_named_exponent_codec_refuses_fp8_at_start_up(tmp_path) -> None:

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from storage import open_store
-from tests.support.engine import BLOCK, connector_config, engine, greedy, worker_connector
-from tests.connector.test_connector_engine import assert_paged_kv_equals_stored
+from tests.support.engine import BLOCK, assert_paged_kv_equals_stored, connector_config, engine, greedy, worker_connector
 from vllm_kvcodec.keys import chunk_hashes, object_key
 
 pytestmark = pytest.mark.engine

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.engine import BLOCK, connector_config, engine, greedy, worker_connector
-from tests.connector.test_connector_engine import COLD, assert_paged_kv_equals_stored, prompts, reference_tokens, text  # noqa: F401
+from tests.support.engine import BLOCK, assert_paged_kv_equals_stored, connector_config, engine, greedy, worker_connector
+from tests.connector.test_connector_engine import COLD, prompts, reference_tokens, text  # noqa: F401
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
 

@@ -400,6 +400,7 @@ def _fake_layer(backend: str, isa=None, **kw):
         head_size_v=kw.get("head_size_v", kw.get("head_size", 64)),
         num_kv_heads=kw.get("num_kv_heads", 3),
         kv_cache_dtype=kw.get("kv_cache_dtype", "auto"),
+        kv_sharing_target_layer_name=kw.get("target"),
     )
 
 
@@ -416,6 +417,7 @@ def test_factory_from_layer_and_config():
     assert isinstance(fp8, CpuAttnVecLayout) and fp8.dtype == torch.float8_e4m3fn
 
     layers = {f"model.layers.{i}.self_attn.attn": _fake_layer("CPU_ATTN", isa="amx") for i in range(3)}
+    layers["model.layers.2.self_attn.attn"] = _fake_layer("CPU_ATTN", isa="amx", target="model.layers.0.self_attn.attn")
     config = SimpleNamespace(
         compilation_config=SimpleNamespace(static_forward_context=layers),
         model_config=SimpleNamespace(dtype=torch.bfloat16),
@@ -427,8 +429,11 @@ def test_factory_from_layer_and_config():
     assert len({id(a) for a in layouts.values()}) == 1
     assert isinstance(layouts["model.layers.1.self_attn.attn"], CpuAttnAmxLayout)
     assert isinstance(layout_for(config, bf, layer_name="model.layers.1.self_attn.attn", verify=False), CpuAttnAmxLayout)
-    shared = shared_kv_layers(caches)
+    shared = shared_kv_layers(config, caches)
     assert shared == {"model.layers.2.self_attn.attn": "model.layers.0.self_attn.attn"}
+    # the hybrid KV cache manager: layers of different groups alias one tensor, and share no KV
+    aliased = dict.fromkeys(["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"], caches["model.layers.1.self_attn.attn"])
+    assert shared_kv_layers(config, aliased) == {}
     with pytest.raises(PagedLayoutError):
         layout_for(config, bf, layer_name="nope")
     with pytest.raises(PagedLayoutError, match="expected"):  # model dtype vs tensor dtype

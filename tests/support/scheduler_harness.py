@@ -24,6 +24,21 @@ report) and checks, against the scheduler's block tables *at that step*:
 
 Violations raise at once. :meth:`Engine.assert_empty` is the
 ``assert_scheduler_empty`` of vLLM's tests plus the connector's own state.
+
+Hybrid models (``windows``): layers with a sliding window get vLLM's
+``SlidingWindowSpec`` and the hybrid KV cache manager runs them as vLLM does
+for a connector that implements ``SupportsHMA``: one KV cache group per
+attention kind (or one group per layer for mixed models, as vLLM makes for
+Gemma-3), block ids per group, vLLM's null block below each window, and the
+groups' layers aliasing one tensor. A window layer's attention reads only its
+window, so the context check reads only that, and finds a load that left a
+window block unwritten, or a save that named a freed block.
+
+fp8 caches (``cache_dtype="fp8_e4m3"``/``"fp8_e5m2"``): uint8 caches, KV bytes
+that vLLM's op writes unchanged. Where this vLLM build has no fp8 kernel the
+harness writes with the layout itself, and the layouts' check against the op
+is skipped (``tests/paged`` checks them against the op where it runs): what
+is tested then is keying and the plans, through fp8 bytes.
 """
 
 from __future__ import annotations
@@ -45,17 +60,24 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 LAYERS, KV_HEADS, HEAD = 2, 2, 32
 IDLE_STEP_S = 0.005  # how long a step with nothing scheduled takes
 VOCAB = 1000
-LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 _MIX = np.array([(0x9E3779B97F4A7C15 * (2 * j + 1)) & (2**64 - 1) for j in range(2 * KV_HEADS * HEAD)], dtype=np.uint64)
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def tiny_model_dir(root: Path) -> Path:
+def layer_names(n: int) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(n)]
+
+
+LAYER_NAMES = layer_names(LAYERS)
+
+
+def tiny_model_dir(root: Path, layers: int = LAYERS) -> Path:
     """A Llama config small enough for the scheduler (no weights are ever loaded)."""
     root.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
         "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD, "num_hidden_layers": LAYERS, "vocab_size": VOCAB,
+        "head_dim": HEAD, "num_hidden_layers": layers, "vocab_size": VOCAB,
         "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
     }
     (root / "config.json").write_text(json.dumps(config))
@@ -72,15 +94,27 @@ def prefix_hashes(tokens: list[int]) -> np.ndarray:
     return out
 
 
-def true_kv(tokens: list[int], start: int, stop: int, layer: int) -> torch.Tensor:
-    """``[2, stop - start, heads, head]`` bf16: the fake model's K and V of positions ``[start, stop)``."""
+def true_kv(tokens: list[int], start: int, stop: int, layer: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``[2, stop - start, heads, head]``: the fake model's K and V of positions ``[start, stop)``.
+
+    bf16: finite, non-zero values. fp8: bytes 0x10..0x4F with a sign, finite
+    and non-zero in both formats, which vLLM's op stores as they are.
+    """
     h = prefix_hashes(tokens[:stop])[start:stop]
     salt = np.uint64((layer + 1) * 0xD6E8FEB86659FD93 & (2**64 - 1))
     with np.errstate(over="ignore"):
         mixed = (h[:, None] ^ salt) * _MIX[None, :]
-    bits = ((mixed >> np.uint64(52)) & np.uint64(0x0FFF)) | np.uint64(0x3000)  # finite, non-zero bf16
-    kv = torch.from_numpy(bits.astype(np.int16)).view(torch.bfloat16)
+    if dtype in FP8.values():
+        byte = (((mixed >> np.uint64(56)) & np.uint64(0x3F)) + np.uint64(0x10)) | ((mixed >> np.uint64(48)) & np.uint64(0x80))
+        kv = torch.from_numpy(byte.astype(np.uint8)).view(dtype)
+    else:
+        bits = ((mixed >> np.uint64(52)) & np.uint64(0x0FFF)) | np.uint64(0x3000)  # finite, non-zero bf16
+        kv = torch.from_numpy(bits.astype(np.int16)).view(torch.bfloat16)
     return kv.view(stop - start, 2, KV_HEADS, HEAD).transpose(0, 1).contiguous()
+
+
+def _bits(kv: torch.Tensor) -> torch.Tensor:
+    return kv.view(torch.uint8 if kv.element_size() == 1 else torch.int16)
 
 
 def poisoned(kv: torch.Tensor) -> torch.Tensor:
@@ -90,7 +124,7 @@ def poisoned(kv: torch.Tensor) -> torch.Tensor:
     poisoned block served later (a local hit, a stored chunk) is caught by the
     context check of whoever reads it.
     """
-    return (kv.view(torch.int16) ^ 1).view(torch.bfloat16)
+    return (_bits(kv) ^ 1).view(kv.dtype)
 
 
 def next_token(tokens: list[int]) -> int:
@@ -123,7 +157,8 @@ class Engine:
     def __init__(
         self, root: Path, store: str, *, block_size: int = 16, chunk_size: int = 32, num_blocks: int = 96,
         max_batched: int = 256, max_seqs: int = 8, policy: str | None = None, async_scheduling: bool = False,
-        hooks: dict[str, Callable[..., None]] | None = None, **extra: Any,
+        hooks: dict[str, Callable[..., None]] | None = None, windows: list[int | None] | None = None,
+        cache_dtype: str | None = None, **extra: Any,
     ) -> None:
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                                  VllmConfig, set_current_vllm_config)
@@ -133,13 +168,15 @@ class Engine:
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
         from vllm_kvcodec.connector import KVCodecConnector
 
         self.block_size, self.chunk_size, self.num_blocks = block_size, chunk_size, num_blocks
         self.hooks = hooks or {}
+        self.windows = list(windows) if windows is not None else [None] * LAYERS
+        self.names = layer_names(len(self.windows))
+        self.kv_dtype = FP8[cache_dtype] if cache_dtype else torch.bfloat16
         transfer: dict[str, Any] = {
             "kv_connector": "KVCodecConnector", "kv_connector_module_path": "vllm_kvcodec.connector",
             "kv_role": "kv_both",
@@ -150,9 +187,10 @@ class Engine:
             transfer["kv_load_failure_policy"] = policy
         max_len = 8192
         self.vllm_config = VllmConfig(
-            model_config=ModelConfig(model=str(tiny_model_dir(root / "model")), dtype="bfloat16",
-                                     max_model_len=max_len, skip_tokenizer_init=True),
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+            model_config=ModelConfig(model=str(tiny_model_dir(root / f"model{len(self.names)}", len(self.names))),
+                                     dtype="bfloat16", max_model_len=max_len, skip_tokenizer_init=True),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,
+                                     cache_dtype=cache_dtype or "auto"),
             scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched,
                                              max_model_len=max_len, is_encoder_decoder=False,
                                              enable_chunked_prefill=True, async_scheduling=async_scheduling),
@@ -160,11 +198,13 @@ class Engine:
             device_config=DeviceConfig("cpu"),
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.bfloat16)
-        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                             kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)])
+        self.kv_cache_config = self._kv_cache_config()
+        self.group_of = {n: g for g, group in enumerate(self.kv_cache_config.kv_cache_groups) for n in group.layer_names}
         with set_current_vllm_config(self.vllm_config):
-            self.layers = [Attention(4, HEAD, HEAD**-0.5, num_kv_heads=KV_HEADS, prefix=n) for n in LAYER_NAMES]
+            self.layers = [Attention(4, HEAD, HEAD**-0.5, num_kv_heads=KV_HEADS, prefix=n, per_layer_sliding_window=w,
+                                     cache_config=self.vllm_config.cache_config)
+                           for n, w in zip(self.names, self.windows)]
+        self._op_writes = self.kv_dtype == torch.bfloat16 or _op_writes_fp8()
         cls = AsyncScheduler if async_scheduling else Scheduler
         self.scheduler = cls(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                              structured_output_manager=StructuredOutputManager(self.vllm_config),
@@ -174,16 +214,60 @@ class Engine:
         self.block_hasher = get_request_block_hasher(block_size, hash_fn)
         with set_current_vllm_config(self.vllm_config):
             self.worker = KVCodecConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
-        self.caches = {n: torch.zeros(num_blocks, KV_HEADS, block_size, 2 * HEAD, dtype=torch.bfloat16)
-                       for n in LAYER_NAMES}
-        self.worker.register_kv_caches(self.caches)
-        self.layouts = dict(zip(LAYER_NAMES, self.worker.worker.layouts))
+        self.caches = self._allocate_caches()
+        self._register()
+        self.connector.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})  # as vLLM's EngineCore
+        self.layouts = dict(zip(self.names, self.worker.worker.layouts))
         self.requests: dict[str, Any] = {}
         self.steps: list[StepRecord] = []
         self.finished: dict[str, Any] = {}
         self.pipelined = async_scheduling
         self._pending: tuple[Any, Any] | None = None  # pipelined: the step whose output is not delivered yet
         self.name = f"engine{next(self._ids)}"
+
+    def _kv_cache_config(self) -> Any:
+        """vLLM's grouping: one group for one attention kind, one group per layer for mixed kinds (Gemma-3's)."""
+        from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVQuantMode,
+                                                SlidingWindowSpec)
+
+        fp8 = self.kv_dtype != torch.bfloat16
+        common = {"block_size": self.block_size, "num_kv_heads": KV_HEADS, "head_size": HEAD,
+                  "dtype": torch.uint8 if fp8 else torch.bfloat16,
+                  "kv_quant_mode": KVQuantMode.FP8_PER_TENSOR if fp8 else KVQuantMode.NONE}
+
+        def spec(window: int | None) -> Any:
+            return FullAttentionSpec(**common) if window is None else SlidingWindowSpec(**common, sliding_window=window)
+
+        if len(set(self.windows)) == 1:
+            groups = [KVCacheGroupSpec(self.names, spec(self.windows[0]))]
+        else:
+            groups = [KVCacheGroupSpec([n], spec(w)) for n, w in zip(self.names, self.windows)]
+        return KVCacheConfig(num_blocks=self.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    def _allocate_caches(self) -> dict[str, torch.Tensor]:
+        """As vLLM does: the i-th layer of every group shares one tensor (the groups own different block ids)."""
+        dtype = torch.uint8 if self.kv_dtype != torch.bfloat16 else torch.bfloat16
+        tensors: dict[int, torch.Tensor] = {}
+        caches = {}
+        for group in self.kv_cache_config.kv_cache_groups:
+            for i, name in enumerate(group.layer_names):
+                if i not in tensors:
+                    tensors[i] = torch.zeros(self.num_blocks, KV_HEADS, self.block_size, 2 * HEAD, dtype=dtype)
+                caches[name] = tensors[i]
+        return {n: caches[n] for n in self.names}
+
+    def _register(self) -> None:
+        """``register_kv_caches``; without an fp8 kernel here, with the layouts' op check skipped (see the module doc)."""
+        if self._op_writes:
+            self.worker.register_kv_caches(self.caches)
+            return
+        import unittest.mock
+
+        for layer in self.layers:
+            layer.isa = "vec"  # what vLLM's metadata builder sets on an AVX-512 host without AMX
+        with unittest.mock.patch("vllm_kvcodec.paged.factory.verify_with_vllm_op"), \
+                unittest.mock.patch("vllm_kvcodec.paged.factory.vllm_write_op_available", return_value=True):
+            self.worker.register_kv_caches(self.caches)
 
     # ---- requests -------------------------------------------------------------------
     @property
@@ -206,7 +290,11 @@ class Engine:
         self.scheduler.finish_requests(list(req_ids), RequestStatus.FINISHED_ABORTED)
 
     def block_table(self, req_id: str) -> list[int]:
-        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+        return self.block_tables(req_id)[0]
+
+    def block_tables(self, req_id: str) -> list[list[int]]:
+        """The request's block ids per KV cache group (0: vLLM's null block, e.g. below a window)."""
+        return [list(g) for g in self.scheduler.kv_cache_manager.get_block_ids(req_id)]
 
     # ---- one step -------------------------------------------------------------------
     def step(self) -> StepRecord:
@@ -228,7 +316,7 @@ class Engine:
         from vllm.v1.outputs import KVConnectorOutput
 
         meta = out.kv_connector_metadata
-        tables = {r: self.block_table(r) for r in out.num_scheduled_tokens}
+        tables = {r: self.block_tables(r) for r in out.num_scheduled_tokens}
         computed = self._computed_before(out)
         self._check_plans(out, meta, tables, computed)
         if "before_forward" in self.hooks:
@@ -238,7 +326,7 @@ class Engine:
         if out.has_sync_kv_loads:
             w.start_load_kv(None)
         wrong: dict[str, str] = {}  # request -> what it read wrong, for this step
-        for name in LAYER_NAMES:
+        for name in self.names:
             w.wait_for_layer_load(name)
             self._forward_layer(name, out, tables, computed, wrong)
             w.save_kv_layer(name, self.caches[name], None)
@@ -299,43 +387,52 @@ class Engine:
         computed.update(dict(zip(cached.req_ids, cached.num_computed_tokens)))
         return computed
 
-    def _forward_layer(self, name: str, out: Any, tables: dict[str, list[int]], computed: dict[str, int],
+    def _forward_layer(self, name: str, out: Any, tables: dict[str, list[list[int]]], computed: dict[str, int],
                        wrong: dict[str, str]) -> None:
         """One layer of the fake forward: read each request's context, then write its new tokens' KV.
 
         The new KV is true only if the context was (:func:`poisoned` otherwise),
         and is written with vLLM's own CPU_ATTN write op.
         """
-        from vllm_kvcodec.paged.cpu_attn import vllm_write
         from vllm_kvcodec.paged.slots import slots_for_tokens
 
-        layer = LAYER_NAMES.index(name)
-        isa = self.layouts[name].isa
+        layer = self.names.index(name)
+        table_of = self.group_of[name]
         for req_id, n in out.num_scheduled_tokens.items():
             start = computed[req_id]
             tokens = self._tokens(req_id, start + n)
             stop = min(start + n, len(tokens))
-            problem = self._read_context(name, layer, tokens, tables[req_id], start)
+            problem = self._read_context(name, layer, tokens, tables[req_id][table_of], start)
             if problem:
                 wrong.setdefault(req_id, problem)
             if stop <= start:
                 continue
-            kv = true_kv(tokens, start, stop, layer)
-            slots = slots_for_tokens(tables[req_id], self.block_size, start, stop)
-            vllm_write(self.caches[name], slots, poisoned(kv) if req_id in wrong else kv, isa)
+            kv = true_kv(tokens, start, stop, layer, self.kv_dtype)
+            slots = slots_for_tokens(tables[req_id][table_of], self.block_size, start, stop)
+            self._write(name, slots, poisoned(kv) if req_id in wrong else kv)
+
+    def _write(self, name: str, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        from vllm_kvcodec.paged.cpu_attn import vllm_write
+
+        if self._op_writes:
+            vllm_write(self.caches[name], slots, kv, self.layouts[name].isa)
+        else:
+            self.layouts[name].scatter(self.caches[name], slots, kv)
 
     def _read_context(self, name: str, layer: int, tokens: list[int], table: list[int], start: int) -> str:
-        """What attention reads for a request: its first ``start`` tokens' KV. '' if all of it is right."""
+        """What attention reads for a request: its first ``start`` tokens' KV (a window layer: the window's). '' if right."""
         from vllm_kvcodec.paged.slots import slots_for_tokens
 
-        if start == 0:
+        window = self.windows[layer]
+        lo = 0 if window is None else max(0, start - window + 1)
+        if start <= lo:
             return ""
-        slots = slots_for_tokens(table, self.block_size, 0, start)
-        got = self.layouts[name].gather(self.caches[name], slots).view(torch.int16)
-        want = true_kv(tokens, 0, start, layer).view(torch.int16)
+        slots = slots_for_tokens(table, self.block_size, lo, start)
+        got = _bits(self.layouts[name].gather(self.caches[name], slots))
+        want = _bits(true_kv(tokens, lo, start, layer, self.kv_dtype))
         if torch.equal(got, want):
             return ""
-        bad = int((got != want).reshape(2, start, -1).any(-1).any(0).nonzero()[0])
+        bad = lo + int((got != want).reshape(2, start - lo, -1).any(-1).any(0).nonzero()[0])
         return f"wrong KV at position {bad} of {start} (layer {name}, block {table[bad // self.block_size]})"
 
     def _tokens(self, req_id: str, upto: int) -> list[int]:
@@ -360,43 +457,60 @@ class Engine:
                                  sampled_token_ids=sampled, kv_connector_output=kv_out)
 
     # ---- checks ---------------------------------------------------------------------
-    def _check_plans(self, out: Any, meta: Any, tables: dict[str, list[int]], computed: dict[str, int]) -> None:
+    def _check_plans(self, out: Any, meta: Any, tables: dict[str, list[list[int]]], computed: dict[str, int]) -> None:
         from vllm_kvcodec.keys import chunk_hashes
-        from vllm_kvcodec.paged.slots import slots_for_tokens
 
         ns = self.connector.scheduler.namespace
-        bs, cs = self.block_size, self.chunk_size
+        cs = self.chunk_size
         for spec in meta.loads:
-            table = tables.get(spec.req_id) or self.block_table(spec.req_id)
+            groups = tables.get(spec.req_id) or self.block_tables(spec.req_id)
             tokens = self.requests[spec.req_id].all_token_ids
             hashes = chunk_hashes(ns, tokens, len(tokens) // cs)
             for chunk in spec.chunks:
                 c = hashes.index(chunk.chunk_hash) if chunk.chunk_hash in hashes else -1
                 if c < 0:
                     raise Violation(f"load of {spec.req_id} names chunk {chunk.chunk_hash[:8]} not of its prompt")
-                a = c * cs + chunk.first_token
-                want = slots_for_tokens(table, bs, a, a + len(chunk.slots)).tolist()
-                if chunk.slots != want or a + len(chunk.slots) > (c + 1) * cs:
-                    raise Violation(f"load of {spec.req_id} chunk {c}: slots disagree with its block table")
-                if a + len(chunk.slots) >= len(tokens):
-                    raise Violation(f"load of {spec.req_id} covers its last token")
+                self._check_load_spans(spec.req_id, c, chunk.spans, groups, len(tokens))
         for spec in meta.saves:
-            table = tables[spec.req_id]
             tokens = self.requests[spec.req_id].all_token_ids
             done = min(computed[spec.req_id] + out.num_scheduled_tokens[spec.req_id], len(tokens))
             hashes = chunk_hashes(ns, tokens, done // cs)
             if spec.chunk_hash not in hashes:
                 raise Violation(f"save of {spec.req_id} names chunk {spec.chunk_hash[:8]}, not complete after this step")
             c = hashes.index(spec.chunk_hash)
-            if spec.slots != slots_for_tokens(table, bs, c * cs, (c + 1) * cs).tolist():
-                raise Violation(f"save of {spec.req_id} chunk {c}: slots disagree with its block table")
+            for g, (table, slots) in enumerate(zip(tables[spec.req_id], spec.group_slots, strict=True)):
+                if slots != self._slots(table, c * cs, (c + 1) * cs, f"save of {spec.req_id} chunk {c} group {g}"):
+                    raise Violation(f"save of {spec.req_id} chunk {c} group {g}: slots disagree with its block table")
 
-    def _check_context(self, tables: dict[str, list[int]], computed: dict[str, int], invalid: set[int],
+    def _check_load_spans(self, req_id: str, c: int, spans: list[Any], groups: list[list[int]], num_tokens: int) -> None:
+        """Each group's span: its slots, within the chunk, never the last token, and every allocated block of the load."""
+        cs, bs = self.chunk_size, self.block_size
+        lo = min(c * cs + s.first_token for s in spans)
+        hi = max(c * cs + s.first_token + len(s.slots) for s in spans)
+        if hi > (c + 1) * cs or hi >= num_tokens:
+            raise Violation(f"load of {req_id} chunk {c} runs past its chunk or covers its last token")
+        for g, (span, table) in enumerate(zip(spans, groups, strict=True)):
+            a = c * cs + span.first_token
+            where = f"load of {req_id} chunk {c} group {g}"
+            if span.slots and (span.slots != self._slots(table, a, a + len(span.slots), where) or a + len(span.slots) != hi):
+                raise Violation(f"{where}: slots disagree with its block table")
+            skipped = range(lo, a if span.slots else hi)
+            if any(table[p // bs] != 0 for p in skipped):
+                raise Violation(f"{where}: leaves allocated blocks of tokens {skipped.start}..{skipped.stop} unwritten")
+
+    def _slots(self, table: list[int], a: int, b: int, where: str) -> list[int]:
+        from vllm_kvcodec.paged.slots import slots_for_tokens
+
+        if any(table[p // self.block_size] == 0 for p in range(a, b, self.block_size)):
+            raise Violation(f"{where} addresses vLLM's null block (a block the group does not hold)")
+        return slots_for_tokens(table, self.block_size, a, b).tolist()
+
+    def _check_context(self, tables: dict[str, list[list[int]]], computed: dict[str, int], invalid: set[int],
                        wrong: dict[str, str]) -> None:
         """Wrong context is allowed only to a request vLLM rewinds for a load that failed in this step."""
         for req_id, problem in wrong.items():
-            blocks = tables[req_id][: -(-computed[req_id] // self.block_size)]
-            if not any(b in invalid for b in blocks):
+            blocks = {b for table in tables[req_id] for b in table[: -(-computed[req_id] // self.block_size)]}
+            if not blocks & invalid:
                 raise Violation(f"step {len(self.steps)}: {req_id} read {problem}")
 
     def assert_empty(self) -> None:
@@ -435,4 +549,16 @@ def loads_of(engine: Engine, req_ids: Iterable[str] | None = None) -> list[Any]:
 
 
 def loaded_tokens(engine: Engine, req_id: str) -> int:
-    return sum(len(c.slots) for spec in loads_of(engine, [req_id]) for c in spec.chunks)
+    return sum(c.tokens for spec in loads_of(engine, [req_id]) for c in spec.chunks)
+
+
+def _op_writes_fp8() -> bool:
+    """Whether this vLLM build's CPU_ATTN op writes fp8 caches (AVX-512 and AMX builds do, AVX2 ones do not)."""
+    from vllm_kvcodec.paged.cpu_attn import vllm_write
+
+    try:
+        vllm_write(torch.zeros((1, 1, 32, 128), dtype=torch.uint8), torch.arange(2),
+                   torch.zeros((2, 2, 1, 64), dtype=torch.float8_e4m3fn), "vec")
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False

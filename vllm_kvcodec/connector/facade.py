@@ -9,6 +9,9 @@ Use it with::
 
 Every call is handed to the half that owns it (the pattern of vLLM's
 OffloadingConnector); the halves share only :class:`~.metadata.KVCodecMetadata`.
+It implements ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager on:
+plans carry block ids per KV cache group (see cache_groups.py for what is
+covered, and the start-up refusal of the rest).
 """
 
 from __future__ import annotations
@@ -20,8 +23,14 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
 
+from vllm_kvcodec.connector.cache_groups import CacheGroups, cache_groups_for, layer_index, load_mode
 from vllm_kvcodec.connector.cache_identity import cache_dtype_name, check_uniform_cache_dtype
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
@@ -54,7 +63,7 @@ def live_connectors() -> list["KVCodecConnector"]:
     return sorted(_LIVE, key=lambda c: c.created)
 
 
-class KVCodecConnector(KVConnectorBase_V1):
+class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
@@ -62,15 +71,17 @@ class KVCodecConnector(KVConnectorBase_V1):
         block_size = vllm_config.cache_config.block_size
         self.config.check_block_size(block_size)
         check_uniform_cache_dtype(vllm_config.cache_config)
-        namespace = build_namespace(vllm_config, self.config)
+        cache_groups = cache_groups_for(kv_cache_config, block_size, self.config.chunk_size)
+        self.config = self.config.model_copy(update={"load_mode": load_mode(self.config, cache_groups)})
+        namespace = build_namespace(vllm_config, self.config, cache_groups, kv_cache_config)
         groups = self.config.layer_groups(namespace.num_layers)
         self.scheduler: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             apply_load_failure_policy(transfer, self.config)  # vLLM reads it right after creating this connector
-            self.scheduler = SchedulerHalf(self.config, namespace, len(groups), namespace.tp_size, block_size)
+            self.scheduler = SchedulerHalf(self.config, namespace, len(groups), namespace.tp_size, cache_groups)
         else:
-            self.worker = WorkerHalf(vllm_config, self.config, namespace, groups, _tp_rank())
+            self.worker = WorkerHalf(vllm_config, self.config, namespace, groups, _tp_rank(), cache_groups)
         self.created = next(_CREATED)
         self._last_log = time.monotonic()
         _LIVE.add(self)
@@ -93,6 +104,9 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._w.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._w.get_transfer_results(finished_req_ids)  # failed_recving: models with several KV cache groups
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w.get_block_ids_with_load_errors()
@@ -139,6 +153,10 @@ class KVCodecConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._s.request_finished(request)
         return False, None  # saves copy their chunks out of paged memory within the step: nothing holds blocks
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid-manager end of a request (SupportsHMA): the same, for every KV cache group at once."""
+        return self.request_finished(request, [])
 
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
@@ -197,7 +215,8 @@ class KVCodecConnector(KVConnectorBase_V1):
         return meta
 
 
-def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig) -> Namespace:
+def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig, cache_groups: CacheGroups | None = None,
+                    kv_cache_config: "KVCacheConfig | None" = None) -> Namespace:
     """Everything that must match for two engines to share chunks (see keys.py)."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
@@ -216,7 +235,16 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig) -> Names
         layers_per_object=len(groups[0]),
         salt=config.salt,
         compute="" if config.share_across_platforms else compute_identity(vllm_config),
+        attention=_attention(cache_groups, kv_cache_config),
     )
+
+
+def _attention(cache_groups: CacheGroups | None, kv_cache_config: "KVCacheConfig | None") -> str:
+    """Each layer's attention kind, in layer order ('' for all plain full attention): a window changes every KV."""
+    if cache_groups is None or kv_cache_config is None:
+        return ""
+    names = sorted({n for g in kv_cache_config.kv_cache_groups for n in g.layer_names}, key=layer_index)
+    return cache_groups.attention(names)
 
 
 def apply_load_failure_policy(transfer: "KVTransferConfig", config: ConnectorConfig) -> None:

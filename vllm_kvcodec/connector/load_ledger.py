@@ -37,7 +37,7 @@ class InflightLoad:
 
     chunk_hashes: list[str]
     first_tokens: dict[str, int]  # chunk hash -> first token of the request this load writes
-    block_ids: list[int]  # the request's block table when the load was planned
+    block_ids: list[list[int]]  # the request's block tables (one per KV cache group) when the load was planned
     expires: float
 
 
@@ -49,9 +49,9 @@ class LoadLedger:
         self._failed: dict[str, float] = {}  # chunk hash -> when its failure was reported
 
     # ---- in flight ------------------------------------------------------------------
-    def start(self, req_id: str, chunk_hashes: list[str], first_tokens: dict[str, int], block_ids: list[int]) -> None:
+    def start(self, req_id: str, chunk_hashes: list[str], first_tokens: dict[str, int], block_ids: list[list[int]]) -> None:
         self.settle(req_id)  # a request has at most one load in flight
-        self._inflight[req_id] = InflightLoad(chunk_hashes, first_tokens, list(block_ids),
+        self._inflight[req_id] = InflightLoad(chunk_hashes, first_tokens, [list(t) for t in block_ids],
                                               time.monotonic() + self.inflight_ttl_s)
         for h in chunk_hashes:
             self._busy[h] = self._busy.get(h, 0) + 1

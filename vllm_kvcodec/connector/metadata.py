@@ -16,23 +16,41 @@ import dataclasses
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from vllm_kvcodec.outcomes import LoadOutcome, SaveOutcome
+from vllm_kvcodec.spans import Span, one_group, one_span
 
-__all__ = ["ChunkLoad", "KVCodecMetadata", "KVCodecWorkerReport", "LoadOutcome", "LoadSpec", "SaveOutcome", "SaveSpec"]
+__all__ = ["ChunkLoad", "KVCodecMetadata", "KVCodecWorkerReport", "LoadOutcome", "LoadSpec", "SaveOutcome", "SaveSpec",
+           "Span"]
 
 
 @dataclasses.dataclass
 class ChunkLoad:
     """One stored chunk to bring into paged memory.
 
-    ``slots`` are the paged slots of the chunk's tokens from ``first_token``
-    (tokens before it are already in vLLM's local prefix cache, in blocks other
-    requests may share, and are never written).
+    ``spans`` has one :class:`~vllm_kvcodec.spans.Span` per vLLM KV cache
+    group: the chunk's tokens from the span's ``first_token`` on, at their
+    slots in that group's blocks. Tokens before it are already in vLLM's local
+    prefix cache, in blocks other requests may share, and are never written; a
+    sliding-window group's span also leaves out the tokens whose blocks vLLM
+    did not allocate (outside the window of the hit). ``block_ids`` are every
+    block the load writes, of all groups.
     """
 
     chunk_hash: str
-    first_token: int
-    slots: list[int]
+    spans: list[Span]
     block_ids: list[int]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens loaded: the longest span (the full-attention groups')."""
+        return max((len(s.slots) for s in self.spans), default=0)
+
+    @property
+    def first_token(self) -> int:
+        return one_span(self.spans).first_token
+
+    @property
+    def slots(self) -> list[int]:
+        return one_span(self.spans).slots
 
 
 @dataclasses.dataclass
@@ -55,8 +73,16 @@ class SaveSpec:
 
     req_id: str
     chunk_hash: str
-    slots: list[int]
+    group_slots: list[list[int]]  # the chunk's slots in each KV cache group's blocks
     failures_seen: int = 0
+
+    @property
+    def slots(self) -> list[int]:
+        return one_group(self.group_slots)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.group_slots[0])
 
 
 @dataclasses.dataclass

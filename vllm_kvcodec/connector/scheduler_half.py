@@ -8,6 +8,11 @@ allocations into slot mappings for the worker half: loads of stored chunks,
 and saves of every chunk that becomes full, prompt or output, including
 chunks completed across several steps of a chunked prefill.
 
+Block ids come per vLLM KV cache group (the hybrid manager's groups, see
+:mod:`~.cache_groups`): loads write each group's allocated blocks (a
+sliding-window group's window only), saves gather each group's blocks of the
+chunk in the step that completes it.
+
 The worker's reports (:class:`~.metadata.KVCodecWorkerReport`) close the loop:
 
 - a failed load marks its chunks failed (:mod:`~.load_ledger`), so no lookup
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from storage import StoreError
 from storage.outage import StoreDownError
+from vllm_kvcodec.connector.cache_groups import CacheGroups
 from vllm_kvcodec.connector.cache_identity import agreed_scales, is_fp8
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
@@ -38,6 +44,7 @@ from vllm_kvcodec.keys import Namespace, chunk_object_keys, extend_chunk_hashes
 from vllm_kvcodec.connector.load_ledger import LoadLedger
 from vllm_kvcodec.connector.metadata import ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec, SaveOutcome, SaveSpec
 from vllm_kvcodec.paged.slots import slots_for_tokens
+from vllm_kvcodec.spans import Span
 from vllm_kvcodec.connector.save_claims import SaveClaims
 from vllm_kvcodec.stats import ConnectorStats
 from vllm_kvcodec.connector.store_access import open_connector_store
@@ -65,7 +72,7 @@ class _Tracked:
     hit_chunks: int = 0  # chunks found in the store at the last lookup
     looked_up: bool = False  # False: the next lookup asks the store (new, preempted, or after a failure)
     local_tokens: int = 0  # tokens vLLM had in its own prefix cache at lookup
-    block_ids: list[int] = dataclasses.field(default_factory=list)
+    block_ids: list[list[int]] = dataclasses.field(default_factory=list)  # per KV cache group (0: vLLM's null block)
     next_save: int = 0  # first chunk not yet handed to the worker for saving
     computed: int = 0  # tokens computed before the current step
     save_attempts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -74,12 +81,14 @@ class _Tracked:
 
 
 class SchedulerHalf:
-    def __init__(self, config: ConnectorConfig, namespace: Namespace, groups: int, tp_size: int, block_size: int) -> None:
+    def __init__(self, config: ConnectorConfig, namespace: Namespace, groups: int, tp_size: int,
+                 cache_groups: CacheGroups) -> None:
         self.config = config
         self.namespace = namespace
         self.groups = groups
         self.tp_size = tp_size
-        self.block_size = block_size
+        self.cache_groups = cache_groups
+        self.block_sizes = cache_groups.block_sizes
         self.chunk = config.chunk_size
         self.store = open_connector_store(config)
         self.stats = ConnectorStats()
@@ -168,24 +177,35 @@ class SchedulerHalf:
         tracked = self._requests.get(request.request_id)
         if tracked is None:
             return
-        tracked.block_ids = list(blocks.get_block_ids()[0])
+        tracked.block_ids = [list(g) for g in blocks.get_block_ids()]
         if num_external_tokens <= 0:
             return
         start = tracked.local_tokens
         chunks = self._chunk_loads(tracked, start, start + num_external_tokens)
         self._pending_loads.append(LoadSpec(request.request_id, chunks, is_async=self.config.load_mode == "async"))
-        first_tokens = {c.chunk_hash: start if i == 0 else (start // self.chunk + i) * self.chunk
-                        for i, c in enumerate(chunks)}
+        first_tokens = {c.chunk_hash: max(start, (start // self.chunk + i) * self.chunk) for i, c in enumerate(chunks)}
         self.ledger.start(request.request_id, [c.chunk_hash for c in chunks], first_tokens, tracked.block_ids)
 
     def _chunk_loads(self, tracked: _Tracked, start: int, end: int) -> list[ChunkLoad]:
+        """Per chunk of ``[start, end)``, each group's allocated blocks there (a window group's window only)."""
         loads = []
         for c in range(start // self.chunk, -(-end // self.chunk)):
             a, b = max(start, c * self.chunk), min(end, (c + 1) * self.chunk)
-            blocks = tracked.block_ids[a // self.block_size : -(-b // self.block_size)]
-            slots = slots_for_tokens(tracked.block_ids, self.block_size, a, b).tolist()
-            loads.append(ChunkLoad(tracked.hashes[c], a - c * self.chunk, slots, blocks))
+            spans = [self._span(table, bs, a, b, c * self.chunk) for table, bs in zip(tracked.block_ids, self.block_sizes)]
+            blocks = sorted({s // bs for span, bs in zip(spans, self.block_sizes) for s in span.slots})
+            if blocks:  # nothing to write: a chunk left of every window group's window (all-window models)
+                loads.append(ChunkLoad(tracked.hashes[c], spans, blocks))
         return loads
+
+    @staticmethod
+    def _span(table: list[int], block_size: int, a: int, b: int, chunk_start: int) -> Span:
+        """Tokens ``[a, b)`` in this group's non-null blocks: a suffix (vLLM nulls a window group's blocks from the left)."""
+        first = a
+        while first < b and table[first // block_size] == 0:
+            first = (first // block_size + 1) * block_size
+        first = min(first, b)
+        slots = slots_for_tokens(table, block_size, first, b).tolist()
+        return Span(first - chunk_start, slots)
 
     # ---- per step -------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVCodecMetadata:
@@ -204,7 +224,7 @@ class SchedulerHalf:
         for new in out.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
             if tracked is not None:
-                tracked.block_ids = list(new.block_ids[0])
+                tracked.block_ids = [list(g) for g in new.block_ids]
                 tracked.computed = new.num_computed_tokens
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -213,9 +233,10 @@ class SchedulerHalf:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids and new_ids is not None:
-                tracked.block_ids = list(new_ids[0])  # a resumed request gets all its blocks anew
+                tracked.block_ids = [list(g) for g in new_ids]  # a resumed request gets all its blocks anew
             elif new_ids is not None:
-                tracked.block_ids.extend(new_ids[0])
+                for table, added in zip(tracked.block_ids, new_ids):
+                    table.extend(added)
             tracked.computed = cached.num_computed_tokens[i]
 
     def _plan_saves(self, req_id: str, scheduled: int) -> list[SaveSpec]:
@@ -243,11 +264,32 @@ class SchedulerHalf:
             if not self.claims.claim(hashes[c]):
                 self.stats.add(saves_deduplicated=1)
                 continue
+            if not self._blocks_held(tracked, c):
+                self.claims.release(hashes[c])  # whoever computes it next saves it
+                self.stats.add(saves_dropped_window_freed=1)  # a window group freed them: a retry cannot gather it
+                continue
             tracked.save_attempts[c] += 1
-            slots = slots_for_tokens(tracked.block_ids, self.block_size, c * self.chunk, (c + 1) * self.chunk)
-            saves.append(SaveSpec(req_id, hashes[c], slots.tolist(), tracked.failures_seen))
+            a, b = c * self.chunk, (c + 1) * self.chunk
+            group_slots = [slots_for_tokens(table, bs, a, b).tolist() for table, bs in zip(tracked.block_ids, self.block_sizes)]
+            saves.append(SaveSpec(req_id, hashes[c], group_slots, tracked.failures_seen))
         tracked.next_save = max(tracked.next_save, full)
         return saves
+
+    def _blocks_held(self, tracked: _Tracked, chunk: int) -> bool:
+        """Whether every group still holds chunk ``chunk``'s blocks in this step (a window group frees those below it).
+
+        ``chunk_size <= sliding_window`` makes this true for a chunk completed in
+        this step; it is false for a retry of an older chunk whose blocks vLLM
+        may have handed to another request already.
+        """
+        start = chunk * self.chunk
+        for g, table in enumerate(tracked.block_ids):
+            bs = self.block_sizes[g]
+            if start < self.cache_groups.freed_below(g, tracked.computed):
+                return False
+            if 0 in table[start // bs : (start + self.chunk) // bs]:
+                return False
+        return True
 
     # ---- outcomes -------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
@@ -279,13 +321,13 @@ class SchedulerHalf:
             tracked.hit_chunks = min(tracked.hit_chunks, first)
             tracked.next_save = min(tracked.next_save, first)
 
-    def _evict_from(self, block_ids: list[int], first_token: int) -> None:
-        """Take the blocks from ``first_token`` on out of vLLM's prefix cache (they keep their refcounts).
+    def _evict_from(self, block_ids: list[list[int]], first_token: int) -> None:
+        """Take every group's blocks from ``first_token`` on out of vLLM's prefix cache (they keep their refcounts).
 
         They held KV that failed to arrive, or KV computed after it: never a
         local hit, whether the request recomputes them or ends first.
         """
-        blocks = set(block_ids[first_token // self.block_size :])
+        blocks = {b for table, bs in zip(block_ids, self.block_sizes) for b in table[first_token // bs :] if b != 0}
         if blocks and self.kv_cache_manager is not None:
             self.kv_cache_manager.evict_blocks(blocks)
             self.stats.add(blocks_evicted_after_load_failure=len(blocks))

@@ -16,7 +16,6 @@ import collections
 import dataclasses
 import logging
 import os
-import re
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -24,7 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from storage.options import redact_url
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
 from vllm_kvcodec.codecs.choice import CodecChooser
+from vllm_kvcodec.connector.cache_groups import CacheGroups, layer_index
 from vllm_kvcodec.connector.cache_identity import KVCodecHandshake, is_fp8, scales_digest
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.dtypes import DType
@@ -47,18 +49,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm_kvcodec")
 
 
-def layer_index(name: str) -> int:
-    """``model.layers.12.self_attn.attn`` -> 12 (the order KV is stored in)."""
-    numbers = re.findall(r"\.(\d+)\.", f".{name}.")
-    if not numbers:
-        raise ConfigError(f"cannot tell the layer index of KV cache {name!r}")
-    return int(numbers[0])
-
-
 class WorkerHalf:
-    def __init__(self, vllm_config: "VllmConfig", config: ConnectorConfig, namespace: Namespace, groups: list[range], tp_rank: int) -> None:
+    def __init__(self, vllm_config: "VllmConfig", config: ConnectorConfig, namespace: Namespace, groups: list[range],
+                 tp_rank: int, cache_groups: CacheGroups) -> None:
         self.vllm_config, self.config, self.namespace = vllm_config, config, namespace
-        self.groups, self.tp_rank = groups, tp_rank
+        self.groups, self.tp_rank, self.cache_groups = groups, tp_rank, cache_groups
         self.stats = ConnectorStats()
         dtype = DType.parse(namespace.dtype)
         self.chooser = CodecChooser(_codec_spec(config.codec, dtype), candidates=policy.auto_candidates(dtype),
@@ -67,6 +62,8 @@ class WorkerHalf:
         self.fetcher: Fetcher | None = None
         self.saver: Saver | None = None
         self._layer_of: dict[str, int] = {}
+        self._shared: set[str] = set()  # layers that read another layer's KV: saved and loaded through it
+        self._failed_recving: set[str] = set()  # several KV cache groups: failed loads go per request
         self._sync_job: LoadJob | None = None
         self._async_jobs: dict[str, LoadJob] = {}
         self._load_errors: set[int] = set()
@@ -81,7 +78,8 @@ class WorkerHalf:
 
     # ---- set-up ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        shared = shared_kv_layers(kv_caches)
+        shared = shared_kv_layers(self.vllm_config, kv_caches)
+        self._shared = set(shared)
         own = {name: t for name, t in kv_caches.items() if name not in shared}
         layouts = layouts_for(self.vllm_config, own)
         names = sorted(own, key=layer_index)
@@ -94,14 +92,18 @@ class WorkerHalf:
         caches = [own[n] for n in names]
         ordered = [layouts[n] for n in names]
         self.caches, self.layouts = caches, ordered
+        self.layer_cache_groups = [self.cache_groups.of_layer(n) for n in names]
         addresses = ObjectAddresses(self.namespace, self.tp_rank, tuple(self.groups))
-        self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered,
-                                              self.config.fetch_threads, self.stats, self.chooser.observe_transfer)
+        self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered, self.config.fetch_threads,
+                                              self.stats, self.chooser.observe_transfer,
+                                              cache_groups=self.layer_cache_groups)
         self.saver = Saver(self.store, addresses, self.chooser, self.config.save_threads,
                            self.config.max_pending_save_bytes, self.stats, report=self._save_settled)
-        self.save_gather = save_gather_for(caches, ordered, self.saver)
-        logger.info("kvcodec: %d KV layers in %d groups, layout %s, store %s, codec %s",
-                    len(names), len(self.groups), ordered[0].layout_id, redact_url(self.config.store), self.chooser.fixed or "auto")
+        self.save_gather = save_gather_for(caches, ordered, self.saver, self.layer_cache_groups)
+        logger.info("kvcodec: %d KV layers in %d groups (%d KV cache groups: %s), layout %s, store %s, codec %s",
+                    len(names), len(self.groups), len(self.cache_groups.groups),
+                    ", ".join(g.label for g in self.cache_groups.groups), ordered[0].layout_id,
+                    redact_url(self.config.store), self.chooser.fixed or "auto")
 
     def _check_layouts(self, names: list[str], layouts: dict[str, Any]) -> None:
         """Every layer canonical, in the namespace's dtype, one geometry: what one stored object can hold."""
@@ -169,10 +171,13 @@ class WorkerHalf:
             self.stats.add(load_timeouts=1)
             job.cancel()
         job.settle()
-        self._load_errors |= job.failed_blocks
+        if not self.cache_groups.multi:
+            self._load_errors |= job.failed_blocks  # one group: vLLM recomputes from the first failed block
         for req_id, outcome in job.outcomes().items():
             if outcome.failed:
                 self._load_failures[req_id] += 1
+                if self.cache_groups.multi:
+                    self._failed_recving.add(req_id)  # several groups: vLLM takes failures per request only
             self._load_outcomes[req_id] = outcome
 
     def _abandon(self, job: LoadJob) -> None:
@@ -198,6 +203,13 @@ class WorkerHalf:
             self._load_failures.pop(req_id, None)
         return None, done or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished async loads, and (several KV cache groups) which of them failed: vLLM recomputes those requests."""
+        _, done = self.get_finished(finished_req_ids)
+        done = done or set()
+        failed, self._failed_recving = self._failed_recving & done, self._failed_recving - done
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_sync_load()
         errors, self._load_errors = self._load_errors, set()
@@ -219,8 +231,8 @@ class WorkerHalf:
         if not meta.saves or self.save_gather is None:
             return
         layer = self._layer_of.get(layer_name)
-        if layer is None or self.caches[layer].data_ptr() != kv_layer.data_ptr():
-            return  # a layer sharing another's KV: saved through its target
+        if layer is None or layer_name in self._shared:
+            return  # a layer reading another's KV: saved through its target
         self.save_gather.gather_layer(layer, kv_layer, meta.saves)
 
     def wait_for_save(self, meta: KVCodecMetadata | None) -> None:

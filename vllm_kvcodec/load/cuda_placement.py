@@ -13,7 +13,8 @@ object on its I/O threads as for host memory; this placement supplies the rest:
    are read. A payload that fails its checks is never scattered.
 3. On the side stream: the Triton scatter of the whole layer group
    (:class:`~vllm_kvcodec.gpu.scatter_triton.PackedPages`, one launch) or, for
-   layouts it does not cover, each layer's page layout (torch indexing, on the device).
+   layouts it does not cover and for layers of several vLLM KV cache groups
+   (each with its own slots), each layer's page layout (torch indexing, on the device).
 4. When the last object of a layer group is enqueued, one CUDA event is
    recorded for the group (:class:`CudaLoadJob`); ``wait_layer`` waits on the
    host only until that event *exists*, then makes the engine's current stream
@@ -45,6 +46,7 @@ from vllm_kvcodec.gpu import splitzip_triton as sz
 from vllm_kvcodec.load.fetcher import Decoded, Fetcher, Placement
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PagedLayout
+from vllm_kvcodec.spans import Span
 
 FLAG_BYTES = 8  # two int32 device validation flags of a SplitZip decode
 
@@ -88,8 +90,9 @@ class CudaLoadJob(LoadJob):
 class CudaPlacement(Placement):
     """Decode and scatter on the device of the caches (or, for tests, a CPU in Triton's interpreter)."""
 
-    def __init__(self, caches: list[torch.Tensor], layouts: list[PagedLayout], threads: int) -> None:
-        super().__init__(caches, layouts)
+    def __init__(self, caches: list[torch.Tensor], layouts: list[PagedLayout], threads: int,
+                 cache_groups: list[int] | None = None) -> None:
+        super().__init__(caches, layouts, cache_groups)
         self.device = caches[0].device
         if not can_run_on(self.device):
             raise ConfigError(f"the GPU load path cannot run Triton kernels on {self.device} in this process")
@@ -101,8 +104,9 @@ class CudaPlacement(Placement):
     def new_job(self, group_layers: list[list[int]], objects_per_group: int, req_ids: list[str]) -> CudaLoadJob:
         return CudaLoadJob(self.side, group_layers, objects_per_group, req_ids)
 
-    def decode(self, blob: bytes, header: ChunkHeader, slots: list[int]) -> Decoded:
+    def decode(self, blob: bytes, header: ChunkHeader, spans: list[Span]) -> Decoded:
         """Stage, copy and decode one object on the side stream; returns once its staging buffer is free."""
+        slots = [s for span in spans for s in span.slots]  # every group's, staged and copied at once
         check_slots(slots, self.num_slots)
         on_device = _on_device(header)
         if on_device:
@@ -134,16 +138,19 @@ class CudaPlacement(Placement):
                 copied = self.side.record()
             self.side.host_wait(copied)  # this I/O thread only: staging reusable, flags readable
             sz.raise_if_invalid(flags_host)
-        return Decoded(kv, dev_slots, on_device)
+        per_group = list(dev_slots.split([len(span.slots) for span in spans]))
+        return Decoded(kv, per_group, [span.first_token for span in spans], on_device)
 
-    def scatter(self, layers: range, decoded: Decoded, first_token: int) -> None:
-        part = decoded.kv[:, :, first_token : first_token + decoded.slots.numel()]
+    def scatter(self, layers: range, decoded: Decoded) -> None:
+        groups = {self.cache_groups[layer] for layer in layers}
         with self.side.active():
-            if self.pages is not None:
-                self.pages.scatter(layers.start, part, decoded.slots)
+            if self.pages is not None and len(groups) == 1:
+                kv, slots = decoded.part(slice(None), groups.pop())
+                self.pages.scatter(layers.start, kv, slots)
                 return
             for i, layer in enumerate(layers):
-                self.layouts[layer].scatter(self.caches[layer], decoded.slots, part[i], check=False)
+                kv, slots = decoded.part(i, self.cache_groups[layer])
+                self.layouts[layer].scatter(self.caches[layer], slots, kv, check=False)
 
 
 class CudaFetcher(Fetcher):
@@ -151,7 +158,7 @@ class CudaFetcher(Fetcher):
 
     def __init__(self, store: Store, addresses: ObjectAddresses, caches: list[torch.Tensor],
                  layouts: list[PagedLayout], threads: int, *args: Any, **kwargs: Any) -> None:
-        placement = CudaPlacement(caches, layouts, threads)
+        placement = CudaPlacement(caches, layouts, threads, kwargs.pop("cache_groups", None))
         super().__init__(store, addresses, caches, layouts, threads, *args, placement=placement, **kwargs)
         self.side, self.pages = placement.side, placement.pages
 

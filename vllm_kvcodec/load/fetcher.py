@@ -13,6 +13,11 @@ What differs between host memory and a CUDA device is only the placement
 (:class:`HostPlacement` here; :class:`~vllm_kvcodec.load.cuda_placement.CudaPlacement`
 stages, copies and decodes on a side stream), the way vLLM's offloading code
 keeps one worker contract with a transfer handler per medium.
+
+Each layer belongs to one vLLM KV cache group (``cache_groups[layer]``); an
+object's layers are scattered with their own group's span of the chunk (see
+:mod:`vllm_kvcodec.spans`), so a sliding-window layer gets only the blocks
+vLLM allocated for its window.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from vllm_kvcodec.format import ChunkHeader, decode_payload, read_header
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PagedLayout
+from vllm_kvcodec.spans import Span
 
 if TYPE_CHECKING:  # imports vLLM; the fetcher itself must not (the GPU check runs without it)
     from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
@@ -51,29 +57,36 @@ class LoadError(Exception):
 
 @dataclasses.dataclass
 class Decoded:
-    """One object's KV ``[layers, 2, chunk, heads, head]`` and the chunk's slots, where the caches are."""
+    """One object's KV ``[layers, 2, chunk, heads, head]`` and, per KV cache group, the chunk's slots there."""
 
     kv: torch.Tensor
-    slots: torch.Tensor
+    slots: list[torch.Tensor]  # one per KV cache group
+    first_tokens: list[int]  # one per KV cache group: where its slots start in the chunk
     on_device: bool = False  # decoded by a device kernel (counted as gpu_decoded_objects)
+
+    def part(self, i: int | slice, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i`` (or the layers of a slice) of the object: its group's tokens and their slots."""
+        first, slots = self.first_tokens[group], self.slots[group]
+        return self.kv[i, :, first : first + slots.numel()], slots
 
 
 class Placement(abc.ABC):
     """How one validated object reaches paged memory on one medium."""
 
-    def __init__(self, caches: list[torch.Tensor], layouts: list[PagedLayout]) -> None:
+    def __init__(self, caches: list[torch.Tensor], layouts: list[PagedLayout], cache_groups: list[int] | None = None) -> None:
         self.caches, self.layouts = caches, layouts
+        self.cache_groups = cache_groups or [0] * len(caches)  # the vLLM KV cache group of each layer
 
     def new_job(self, group_layers: list[list[int]], objects_per_group: int, req_ids: list[str]) -> LoadJob:
         return LoadJob(group_layers, objects_per_group, req_ids)
 
     @abc.abstractmethod
-    def decode(self, blob: bytes, header: ChunkHeader, slots: list[int]) -> Decoded:
+    def decode(self, blob: bytes, header: ChunkHeader, spans: list[Span]) -> Decoded:
         """Decode the object (untrusted beyond its header) next to the caches; raise on anything invalid."""
 
     @abc.abstractmethod
-    def scatter(self, layers: range, decoded: Decoded, first_token: int) -> None:
-        """Write tokens ``first_token:`` of the decoded object into its slots, layer by layer."""
+    def scatter(self, layers: range, decoded: Decoded) -> None:
+        """Write each layer's span of the decoded object into its slots."""
 
     def shutdown(self) -> None:
         """Release streams or staging memory, if any."""
@@ -82,13 +95,14 @@ class Placement(abc.ABC):
 class HostPlacement(Placement):
     """Caches in host memory: decode on the fetch thread, scatter with each layer's page layout."""
 
-    def decode(self, blob: bytes, header: ChunkHeader, slots: list[int]) -> Decoded:
-        return Decoded(decode_payload(blob, header), torch.tensor(slots, dtype=torch.int64))
+    def decode(self, blob: bytes, header: ChunkHeader, spans: list[Span]) -> Decoded:
+        slots = [torch.tensor(s.slots, dtype=torch.int64) for s in spans]
+        return Decoded(decode_payload(blob, header), slots, [s.first_token for s in spans])
 
-    def scatter(self, layers: range, decoded: Decoded, first_token: int) -> None:
-        part = decoded.kv[:, :, first_token : first_token + decoded.slots.numel()]
+    def scatter(self, layers: range, decoded: Decoded) -> None:
         for i, layer in enumerate(layers):
-            self.layouts[layer].scatter(self.caches[layer], decoded.slots, part[i], check=False)
+            kv, slots = decoded.part(i, self.cache_groups[layer])
+            self.layouts[layer].scatter(self.caches[layer], slots, kv, check=False)
 
 
 class Fetcher:
@@ -102,11 +116,12 @@ class Fetcher:
         stats: ConnectorStats,
         observe_transfer: Callable[[int, float], None] | None = None,
         placement: Placement | None = None,
+        cache_groups: list[int] | None = None,
     ) -> None:
         self.store, self.addresses = store, addresses
         self.observe_transfer = observe_transfer  # feeds the link estimate of codec "auto"
         self.groups, self.caches, self.layouts, self.stats = addresses.groups, caches, layouts, stats
-        self.placement = placement if placement is not None else HostPlacement(caches, layouts)
+        self.placement = placement if placement is not None else HostPlacement(caches, layouts, cache_groups)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-fetch", initializer=_one_torch_thread)
 
     def submit(self, specs: list[LoadSpec], timeout_s: float) -> LoadJob:
@@ -145,19 +160,19 @@ class Fetcher:
         header = read_header(blob, key=key)  # sizes, checksum and key binding: a swapped object is rejected
         layers = self.groups[group]
         self._check(header, len(layers))
-        decoded = self.placement.decode(blob, header, chunk.slots)
+        decoded = self.placement.decode(blob, header, chunk.spans)
         t2 = time.perf_counter()
         if not job.begin_write():
             raise LoadError("load cancelled (timeout)")
         try:
-            self.placement.scatter(layers, decoded, chunk.first_token)
+            self.placement.scatter(layers, decoded)
         finally:
             job.end_write()
         t3 = time.perf_counter()
         self.stats.add(
             loaded_objects=1, loaded_bytes=len(blob), loaded_raw_bytes=header.raw_nbytes,
             fetch_s=t1 - t0, decode_s=t2 - t1, scatter_s=t3 - t2, **{f"codec_{header.codec_id}_loads": 1},
-            **({"loaded_tokens": len(chunk.slots)} if group == 0 else {}),
+            **({"loaded_tokens": chunk.tokens} if group == 0 else {}),
             **({"gpu_decoded_objects": 1} if decoded.on_device else {}),
         )
 

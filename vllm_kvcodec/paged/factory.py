@@ -152,9 +152,9 @@ def layout_for(
 def layouts_for(vllm_config: Any, kv_caches: dict[str, torch.Tensor], **kwargs: Any) -> dict[str, PagedLayout]:
     """One layout per layer of ``register_kv_caches``' dict (shared where the geometry is equal).
 
-    Layers that share one KV cache tensor with an earlier layer (cross-layer
-    KV sharing, see :func:`shared_kv_layers`) get a layout too; the
-    connector should save/load only the target layer.
+    Layers that read another layer's KV (cross-layer KV sharing, see
+    :func:`shared_kv_layers`) get a layout too; the connector should
+    save/load only the target layer.
     """
     out: dict[str, PagedLayout] = {}
     seen: dict[tuple, PagedLayout] = {}
@@ -176,16 +176,21 @@ def layouts_for(vllm_config: Any, kv_caches: dict[str, torch.Tensor], **kwargs: 
     return out
 
 
-def shared_kv_layers(kv_caches: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Layers whose KV cache *is* an earlier layer's (same storage, offset, shape, strides) -> that layer."""
-    first: dict[tuple, str] = {}
-    shared: dict[str, str] = {}
-    for name, t in kv_caches.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        if key in first:
-            shared[name] = first[key]
-        else:
-            first[key] = name
+def shared_kv_layers(vllm_config: Any, kv_caches: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Layers that read another layer's KV (vLLM's cross-layer KV sharing) -> that layer.
+
+    Told by vLLM itself (``layer.kv_sharing_target_layer_name``), never by
+    pointers: with the hybrid KV cache manager, layers of different KV cache
+    groups share one tensor (same storage, offset, shape and strides) and
+    differ only by the block ids each group owns, so equal pointers do not
+    mean shared KV.
+    """
+    ctx = vllm_config.compilation_config.static_forward_context
+    shared = {}
+    for name in kv_caches:
+        target = getattr(ctx.get(name), "kv_sharing_target_layer_name", None)
+        if target:
+            shared[name] = target
     return shared
 
 

@@ -31,13 +31,14 @@ logger = logging.getLogger("vllm_kvcodec")
 
 
 class CudaSaveGather(SaveGather):
-    def __init__(self, caches: list[torch.Tensor], layouts: list[PagedLayout], saver: Any) -> None:
-        super().__init__(caches, layouts, saver)
+    def __init__(self, caches: list[torch.Tensor], layouts: list[PagedLayout], saver: Any,
+                 cache_groups: list[int] | None = None) -> None:
+        super().__init__(caches, layouts, saver, cache_groups)
         self.side = SideStream(caches[0].device)
         self.pages = packed_pages_for(caches, layouts)
         self.num_slots = layouts[0].num_slots(caches[0])
         self._buffers: dict[int, torch.Tensor] = {}
-        self._slots: dict[int, torch.Tensor] = {}
+        self._slots: dict[tuple[int, int], torch.Tensor] = {}  # (save index, cache group) -> device slots
         self._handoff = ThreadPoolExecutor(1, thread_name_prefix="kvcodec-d2h")
 
     def _copy(self, index: int, layer: int, kv_layer: torch.Tensor, slots: list[int]) -> None:
@@ -45,11 +46,13 @@ class CudaSaveGather(SaveGather):
         self.side.side_waits_for_compute()
         with self.side.active():
             if index not in self._buffers:
-                check_slots(slots, self.num_slots)
                 shape = (len(self.caches), 2, len(slots), a.num_kv_heads, a.head_size)
                 self._buffers[index] = torch.empty(shape, dtype=a.dtype, device=kv_layer.device)
-                self._slots[index] = torch.tensor(slots, dtype=torch.int64).to(kv_layer.device, non_blocking=True)
-            buf, dev_slots = self._buffers[index], self._slots[index]
+            key = (index, self.cache_groups[layer])
+            if key not in self._slots:
+                check_slots(slots, self.num_slots)
+                self._slots[key] = torch.tensor(slots, dtype=torch.int64).to(kv_layer.device, non_blocking=True)
+            buf, dev_slots = self._buffers[index], self._slots[key]
             if self.pages is not None and kv_layer.data_ptr() == self.caches[layer].data_ptr():
                 self.pages.gather(layer, dev_slots, buf[layer : layer + 1])
             else:
@@ -58,7 +61,6 @@ class CudaSaveGather(SaveGather):
     def _hand_over(self, index: int, spec: SaveSpecLike, nbytes: int) -> None:
         """One D2H copy into pinned memory; the Saver gets the chunk once the copy has landed."""
         buf = self._buffers.pop(index)
-        self._slots.pop(index, None)
         with self.side.active():
             host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=self.side.cuda)
             host.copy_(buf, non_blocking=True)

@@ -18,6 +18,9 @@ handed over (incomplete, or computed over a failed load) is given back.
 thread; :class:`~vllm_kvcodec.save.cuda_gather.CudaSaveGather` copies on a
 side stream and moves finished chunks to pinned host memory. :func:`save_gather_for`
 picks one for the caches vLLM registered.
+
+Each layer belongs to one vLLM KV cache group (``cache_groups[layer]``) and is
+gathered from that group's slots of the chunk (``spec.group_slots``).
 """
 
 from __future__ import annotations
@@ -31,13 +34,15 @@ import torch
 if TYPE_CHECKING:
     from vllm_kvcodec.paged import PagedLayout
 
-#: ``(req_id, chunk_hash, slots)`` of one chunk to save (a :class:`~vllm_kvcodec.connector.metadata.SaveSpec`).
+#: ``(req_id, chunk_hash, group_slots)`` of one chunk to save (a :class:`~vllm_kvcodec.connector.metadata.SaveSpec`).
 SaveSpecLike = Any
 
 
 class SaveGather(abc.ABC):
-    def __init__(self, caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: Any) -> None:
+    def __init__(self, caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: Any,
+                 cache_groups: list[int] | None = None) -> None:
         self.caches, self.layouts, self.saver = caches, layouts, saver
+        self.cache_groups = cache_groups or [0] * len(caches)  # the vLLM KV cache group of each layer
         self._step: Sequence[SaveSpecLike] | None = None
         self._admitted: dict[int, int] = {}  # save index -> reserved bytes
         self._layers_done: dict[int, int] = {}
@@ -51,14 +56,15 @@ class SaveGather(abc.ABC):
         """Copy this layer's slots of every admitted chunk of the step."""
         if self._step is not saves:
             self._begin(saves)
+        group = self.cache_groups[layer]
         for i in self._admitted:
-            self._copy(i, layer, kv_layer, saves[i].slots)
+            self._copy(i, layer, kv_layer, saves[i].group_slots[group])
             self._layers_done[i] = self._layers_done.get(i, 0) + 1
 
     def _begin(self, saves: Sequence[SaveSpecLike]) -> None:
         self._step, self._admitted, self._layers_done = saves, {}, {}
         for i, spec in enumerate(saves):
-            nbytes = self.chunk_nbytes(len(spec.slots))
+            nbytes = self.chunk_nbytes(len(spec.group_slots[0]))
             if self.saver.reserve(nbytes):
                 self._admitted[i] = nbytes
 
@@ -101,10 +107,11 @@ class SaveGather(abc.ABC):
 class CpuSaveGather(SaveGather):
     """Gather on the engine's thread with each layer's page layout, into one host buffer per chunk."""
 
-    def __init__(self, caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: Any) -> None:
-        super().__init__(caches, layouts, saver)
+    def __init__(self, caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: Any,
+                 cache_groups: list[int] | None = None) -> None:
+        super().__init__(caches, layouts, saver, cache_groups)
         self._buffers: dict[int, torch.Tensor] = {}
-        self._slots: dict[int, torch.Tensor] = {}
+        self._slots: dict[tuple[int, int], torch.Tensor] = {}  # (save index, cache group) -> slots
 
     def _copy(self, index: int, layer: int, kv_layer: torch.Tensor, slots: list[int]) -> None:
         buf = self._buffers.get(index)
@@ -112,8 +119,10 @@ class CpuSaveGather(SaveGather):
             a = self.layouts[0]
             shape = (len(self.caches), 2, len(slots), a.num_kv_heads, a.head_size)
             buf = self._buffers[index] = torch.empty(shape, dtype=a.dtype)
-            self._slots[index] = torch.tensor(slots, dtype=torch.int64)
-        self.layouts[layer].gather(kv_layer, self._slots[index], out=buf[layer], check=False)
+        key = (index, self.cache_groups[layer])
+        if key not in self._slots:
+            self._slots[key] = torch.tensor(slots, dtype=torch.int64)
+        self.layouts[layer].gather(kv_layer, self._slots[key], out=buf[layer], check=False)
 
     def _hand_over(self, index: int, spec: SaveSpecLike, nbytes: int) -> None:
         self.saver.submit(spec.chunk_hash, self._buffers[index], spec.req_id, reserved=True)
@@ -123,10 +132,11 @@ class CpuSaveGather(SaveGather):
         self._slots.clear()
 
 
-def save_gather_for(caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: Any) -> SaveGather:
+def save_gather_for(caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: Any,
+                    cache_groups: list[int] | None = None) -> SaveGather:
     """The gather for where vLLM keeps the KV caches: a CUDA device, or host memory."""
     if caches[0].is_cuda:
         from vllm_kvcodec.save.cuda_gather import CudaSaveGather
 
-        return CudaSaveGather(caches, layouts, saver)
-    return CpuSaveGather(caches, layouts, saver)
+        return CudaSaveGather(caches, layouts, saver, cache_groups)
+    return CpuSaveGather(caches, layouts, saver, cache_groups)

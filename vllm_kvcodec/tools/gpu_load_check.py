@@ -23,6 +23,7 @@ from storage import open_store
 from vllm_kvcodec.format import encode_chunk
 from vllm_kvcodec.keys import Namespace, ObjectAddresses
 from vllm_kvcodec.paged import Geometry, PackedKVLayout
+from vllm_kvcodec.spans import Span
 
 #: Physical orders of the 4-D logical view [blocks, heads, block_size, 2*head]:
 #: vLLM 0.33's NHD default (LBNHC: tokens before heads) and HND (LBHNC).
@@ -31,12 +32,20 @@ ORDERS = ("NHD", "HND")
 
 @dataclasses.dataclass
 class Chunk:
-    """Duck-types :class:`vllm_kvcodec.connector.metadata.ChunkLoad` (which imports vLLM)."""
+    """Duck-types :class:`vllm_kvcodec.connector.metadata.ChunkLoad` (which imports vLLM): one KV cache group."""
 
     chunk_hash: str
     first_token: int
     slots: list[int]
     block_ids: list[int]
+
+    @property
+    def spans(self) -> list[Span]:
+        return [Span(self.first_token, self.slots)]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.slots)
 
 
 @dataclasses.dataclass
@@ -182,7 +191,7 @@ def swap_escape_positions(blob: bytes, key: str) -> bytes:
 
 def save_chunks(save: Any, caches: list[torch.Tensor], chunks: list[Any]) -> None:
     """Drive a save gather as the worker does: every layer as ``save_kv_layer`` sees it, then the end of the step."""
-    specs = [SimpleNamespace(req_id=f"r{i}", chunk_hash=c.chunk_hash, slots=c.slots) for i, c in enumerate(chunks)]
+    specs = [SimpleNamespace(req_id=f"r{i}", chunk_hash=c.chunk_hash, group_slots=[c.slots]) for i, c in enumerate(chunks)]
     for layer in range(len(caches)):
         save.gather_layer(layer, caches[layer], specs)
     left = save.end_step(specs, lambda spec: True)

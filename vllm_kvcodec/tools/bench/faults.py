@@ -42,7 +42,7 @@ from vllm_kvcodec.codecs.choice import CodecChooser
 from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.keys import Namespace, ObjectAddresses, chunk_hashes
 from vllm_kvcodec.load.load_job import LoadJob
-from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
+from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec, Span
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, CpuAttnVecLayout, Geometry
 from vllm_kvcodec.save.saver import Saver
 from vllm_kvcodec.stats import ConnectorStats
@@ -157,7 +157,7 @@ class _Bench:
     def _load(self, c: int, block: int, timeout_s: float) -> tuple[bool, bool]:
         """One chunk into ``block``, waited for as the worker does; (reported failed, timed out)."""
         slots = list(range(block * CHUNK, (block + 1) * CHUNK))
-        job = self.fetcher.submit([LoadSpec("bench", [ChunkLoad(self.hashes[c], 0, slots, [block])], False)], timeout_s)
+        job = self.fetcher.submit([LoadSpec("bench", [ChunkLoad(self.hashes[c], [Span(0, slots)], [block])], False)], timeout_s)
         timed_out = not self._wait(job)
         return block in job.failed_blocks, timed_out
 

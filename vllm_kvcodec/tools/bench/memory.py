@@ -148,7 +148,7 @@ def _save_phase(env: dict[str, Any], codec: str, threads: int, max_pending: int,
     baseline = _rss()
     t0 = time.perf_counter()
     for first in range(0, len(env["hashes"]), per_step):
-        specs = [SimpleNamespace(req_id="bench", chunk_hash=env["hashes"][c], slots=_chunk_slots(env, c).tolist())
+        specs = [SimpleNamespace(req_id="bench", chunk_hash=env["hashes"][c], group_slots=[_chunk_slots(env, c).tolist()])
                  for c in range(first, min(first + per_step, len(env["hashes"])))]
         for layer, cache in enumerate(caches):  # save_kv_layer, layer by layer
             gather.gather_layer(layer, cache, specs)
@@ -164,14 +164,14 @@ def _save_phase(env: dict[str, Any], codec: str, threads: int, max_pending: int,
 def _load_phase(env: dict[str, Any], threads: int) -> dict[str, Any]:
     from vllm_kvcodec.load.fetcher import Fetcher
     from vllm_kvcodec.format import decode_chunk
-    from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
+    from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec, Span
     from vllm_kvcodec.stats import ConnectorStats
 
     caches, layout, addresses = env["caches"], env["layout"], env["addresses"]
     decode_chunk(env["store"].get(addresses.key(env["hashes"][0], 0)))  # warm-up: numba kernels
     stats = ConnectorStats()
     fetcher = Fetcher(env["store"], addresses, caches, [layout] * len(caches), threads, stats)
-    chunks = [ChunkLoad(h, 0, _chunk_slots(env, c).tolist(),
+    chunks = [ChunkLoad(h, [Span(0, _chunk_slots(env, c).tolist())],
                         env["block_ids"][c * CHUNK_TOKENS // BLOCK_SIZE : (c + 1) * CHUNK_TOKENS // BLOCK_SIZE].tolist())
               for c, h in enumerate(env["hashes"])]
     reset = _reset_peak()
