@@ -28,6 +28,7 @@ from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.codecs import policy
+from vllm_kvcodec.codecs.warmup import warm_up
 from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.keys import Namespace, ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
@@ -75,6 +76,7 @@ class WorkerHalf:
         self.recent_loads: collections.deque = collections.deque(maxlen=64)  # for inspection and tests
         self.save_gather: SaveGather | None = None
         reuse_large_buffers()
+        warm_up(DType.parse(namespace.dtype).torch_dtype)  # compile codec kernels now, not in the first load
 
     # ---- set-up ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -3,16 +3,19 @@
 Objects are submitted in layer-group order, so the first layers' KV arrives
 first and the engine's prefill of the uncached suffix can start on layer 0
 while later groups are still on the wire. Store I/O and decoding (numba/zstd
-kernels) release the GIL, so threads overlap for real. Memory stays bounded:
-each thread holds at most one object.
+kernels) release the GIL, so threads overlap for real.
 
-Per object, whatever the medium: get it (a missing object fails its blocks),
-validate its header once (sizes, checksum, the key it is bound to, the shape
-this engine expects), then let the :class:`Placement` decode and scatter it.
-What differs between host memory and a CUDA device is only the placement
-(:class:`HostPlacement` here; :class:`~vllm_kvcodec.load.cuda_placement.CudaPlacement`
-stages, copies and decodes on a side stream), the way vLLM's offloading code
-keeps one worker contract with a transfer handler per medium.
+Objects are fetched in batches, one store round trip each (``get_many``: one
+Redis MGET, one Mooncake batch read), of at most ``BATCH_BYTES`` of raw KV: a
+distant store costs a few round trips per load, not one per object, and memory
+stays bounded (each thread holds one batch). Per object, whatever the medium:
+a missing one fails its blocks; its header is validated once (sizes, checksum,
+the key it is bound to, the shape this engine expects), then the
+:class:`Placement` decodes and scatters it. What differs between host memory
+and a CUDA device is only the placement (:class:`HostPlacement` here;
+:class:`~vllm_kvcodec.load.cuda_placement.CudaPlacement` stages, copies and
+decodes on a side stream), the way vLLM's offloading code keeps one worker
+contract with a transfer handler per medium.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ if TYPE_CHECKING:  # imports vLLM; the fetcher itself must not (the GPU check ru
     from vllm_kvcodec.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")
+#: Raw KV bytes of the objects one store round trip fetches (and one fetch thread holds at once).
+BATCH_BYTES = 8 << 20
 
 
 def _one_torch_thread() -> None:
@@ -116,32 +121,55 @@ class Fetcher:
         for g in range(len(self.groups)):
             for i, (spec, chunk) in enumerate(chunks):
                 job.expect(g, i, spec.req_id, chunk.chunk_hash, chunk.block_ids)
-        for g in range(len(self.groups)):
-            for i, (_, chunk) in enumerate(chunks):
-                self._pool.submit(self._load_object, job, g, i, chunk)
+        for g in range(len(self.groups)):  # layer-group order: the first layers' KV arrives first
+            for batch in self._batches(g, [(i, chunk) for i, (_, chunk) in enumerate(chunks)]):
+                self._pool.submit(self._load_batch, job, g, batch)
         return job
 
-    def _load_object(self, job: LoadJob, group: int, index: int, chunk: ChunkLoad) -> None:
-        ok = False
-        try:
-            if not job.cancelled:
-                self._fetch_decode_scatter(job, group, chunk)
-                ok = True
-        except Exception as exc:  # noqa: BLE001 - any failure means "recompute these blocks"
-            self.stats.add(load_failures=1)
-            logger.warning("kvcodec: load of chunk %s group %d failed, recomputing: %s", chunk.chunk_hash[:12], group, exc)
-        finally:
-            job.object_done(group, index, ok)
+    def _batches(self, group: int, objects: list[tuple[int, ChunkLoad]]) -> list[list[tuple[int, ChunkLoad]]]:
+        """A group's objects in batches of at most BATCH_BYTES of raw KV: one store round trip per batch.
 
-    def _fetch_decode_scatter(self, job: LoadJob, group: int, chunk: ChunkLoad) -> None:
-        key = self.addresses.key(chunk.chunk_hash, group)
+        One get per object would pay the store's round trip once per object per
+        thread (96 round trips for a 4k prefix in 6 groups); a whole group in one
+        get would hold a long prefix's group in memory at once.
+        """
+        a = self.layouts[self.groups[group][0]]
+        raw = len(self.groups[group]) * 2 * self.addresses.namespace.chunk_size * a.num_kv_heads * a.head_size * a.dtype.itemsize
+        per = max(1, BATCH_BYTES // max(1, raw))
+        return [objects[i : i + per] for i in range(0, len(objects), per)]
+
+    def _load_batch(self, job: LoadJob, group: int, batch: list[tuple[int, ChunkLoad]]) -> None:
+        keys = [self.addresses.key(chunk.chunk_hash, group) for _, chunk in batch]
+        blobs: list[bytes | None] = [None] * len(batch)
+        error: Exception | None = None
         t0 = time.perf_counter()
-        blob = self.store.get(key)
+        if not job.cancelled:
+            try:
+                blobs = self.store.get_many(keys)
+            except Exception as exc:  # noqa: BLE001 - the whole batch is recomputed
+                error = exc
+        fetch_s = time.perf_counter() - t0
+        if error is None and self.observe_transfer is not None:
+            self.observe_transfer(sum(len(b) for b in blobs if b is not None), fetch_s)
+        self.stats.add(fetch_s=fetch_s, fetch_batches=1)
+        for (index, chunk), key, blob in zip(batch, keys, blobs):
+            ok = False
+            try:
+                if error is not None:
+                    raise LoadError(f"store get failed: {error}")
+                if not job.cancelled:
+                    self._decode_scatter(job, group, chunk, key, blob)
+                    ok = True
+            except Exception as exc:  # noqa: BLE001 - any failure means "recompute these blocks"
+                self.stats.add(load_failures=1)
+                logger.warning("kvcodec: load of chunk %s group %d failed, recomputing: %s", chunk.chunk_hash[:12], group, exc)
+            finally:
+                job.object_done(group, index, ok)
+
+    def _decode_scatter(self, job: LoadJob, group: int, chunk: ChunkLoad, key: str, blob: bytes | None) -> None:
         if blob is None:
             raise LoadError(f"object {key} is missing")
         t1 = time.perf_counter()
-        if self.observe_transfer is not None:
-            self.observe_transfer(len(blob), t1 - t0)
         header = read_header(blob, key=key)  # sizes, checksum and key binding: a swapped object is rejected
         layers = self.groups[group]
         self._check(header, len(layers))
@@ -156,7 +184,7 @@ class Fetcher:
         t3 = time.perf_counter()
         self.stats.add(
             loaded_objects=1, loaded_bytes=len(blob), loaded_raw_bytes=header.raw_nbytes,
-            fetch_s=t1 - t0, decode_s=t2 - t1, scatter_s=t3 - t2, **{f"codec_{header.codec_id}_loads": 1},
+            decode_s=t2 - t1, scatter_s=t3 - t2, **{f"codec_{header.codec_id}_loads": 1},
             **({"loaded_tokens": len(chunk.slots)} if group == 0 else {}),
             **({"gpu_decoded_objects": 1} if decoded.on_device else {}),
         )
