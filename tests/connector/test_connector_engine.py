@@ -18,6 +18,7 @@ import torch
 
 from tests.support.engine import BLOCK, connector_config, engine, greedy, worker_connector
 from vllm_kvcodec.format import decode_chunk
+from vllm_kvcodec.paged.objects import PageObjects
 from vllm_kvcodec.keys import object_key
 
 pytestmark = pytest.mark.engine
@@ -61,13 +62,18 @@ def store_url(kind: str, tmp_path: Path, request) -> str:
     return request.getfixturevalue("redis_url")
 
 
-CASES = [(c, s, "sync") for c in CODECS for s in ("file", "redis")] + [("auto", "file", "async"), ("rans", "redis", "async")]
+# Page objects (the default: block copies) for every codec and store; canonical objects for two.
+CASES = [(c, s, "sync", "auto") for c in CODECS for s in ("file", "redis")] + [
+    ("auto", "file", "async", "auto"), ("rans", "redis", "async", "auto"),
+    ("rans", "file", "sync", "canonical"), ("splitzip", "redis", "async", "canonical"),
+]
 
 
-@pytest.mark.parametrize("codec,store,load_mode", CASES)
-def test_bf16_loads_match_local_prefix_cache(codec: str, store: str, load_mode: str, text, reference_tokens, tmp_path, request) -> None:
+@pytest.mark.parametrize("codec,store,load_mode,objects", CASES)
+def test_bf16_loads_match_local_prefix_cache(codec: str, store: str, load_mode: str, objects: str, text, reference_tokens,
+                                             tmp_path, request) -> None:
     url = store_url(store, tmp_path, request)
-    with engine(connector_config(url, codec, chunk_size=BLOCK, load_mode=load_mode)) as llm:
+    with engine(connector_config(url, codec, chunk_size=BLOCK, load_mode=load_mode, object_layout=objects)) as llm:
         conn = worker_connector()
         greedy(llm, text[COLD])
         assert conn.flush(120)
@@ -89,7 +95,11 @@ def test_bf16_loads_match_local_prefix_cache(codec: str, store: str, load_mode: 
 
 
 def assert_paged_kv_equals_stored(conn, url: str) -> None:
-    """Read the loaded slots back through the layout and compare with the stored chunk, bit for bit."""
+    """Read the loaded slots back through the page layout and compare with the stored chunk, bit for bit.
+
+    Paged KV is checked in the canonical view: a page object is read through the same page layout, so
+    any byte out of place in either shows; for page objects the stored pages are also exactly the
+    cache's pages (checked block for block)."""
     from storage import open_store
 
     worker = conn.worker
@@ -98,11 +108,17 @@ def assert_paged_kv_equals_stored(conn, url: str) -> None:
         for chunk in spec.chunks:
             slots = torch.tensor(chunk.slots)
             for g, layers in enumerate(worker.groups):
-                stored = decode_chunk(store.get(object_key(worker.namespace, chunk.chunk_hash, 0, g)))
+                raw = decode_chunk(store.get(object_key(worker.namespace, chunk.chunk_hash, 0, g)))
+                stored = worker.objects.canonical(raw, worker.layouts[layers.start])  # pages or canonical KV
                 part = stored[:, :, chunk.first_token : chunk.first_token + len(chunk.slots)]
                 for i, layer in enumerate(layers):
                     paged = worker.layouts[layer].gather(worker.caches[layer], slots)
                     assert torch.equal(paged.view(torch.int16), part[i].view(torch.int16))
+                    if isinstance(worker.objects, PageObjects):  # the very bytes, block for block
+                        bs = worker.layouts[layer].block_size
+                        blocks = torch.tensor(chunk.slots[::bs]) // bs
+                        pages = worker.layouts[layer].read_pages(worker.caches[layer], blocks)
+                        assert torch.equal(pages.view(torch.int16), raw[i, chunk.first_token // bs :].view(torch.int16))
 
 
 @pytest.fixture(scope="module")

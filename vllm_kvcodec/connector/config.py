@@ -40,6 +40,7 @@ class ConnectorConfig(BaseModel):
     salt: str = Field("", description="Tenant/salt mixed into every key: deployments with different salts never share chunks.")
     model_id: str = Field("", description="Model identity for the key namespace; default: a fingerprint of the local weights, or the hub name plus revision (set it to pin a hub model whose revision is unset), plus the quantisation.")
     share_across_platforms: bool = Field(False, description="false: chunks are shared only between engines of the same platform, device, kernel ISA, attention backend and vLLM/torch versions, so a hit gives exactly the KV this engine computes. true: any engine with the same model, dtype and geometry shares them (valid KV, possibly different in the last bits).")
+    object_layout: Literal["auto", "pages", "canonical"] = Field("auto", description="What a stored object holds. pages: the chunk's KV pages exactly as the attention kernels lay them out, saved and loaded with block copies (fastest; only engines of the same platform and kernels read them). canonical: [layers, 2, tokens, heads, dim] K and V, readable by any attention backend, at the cost of a transform on every save and load. auto: pages, or canonical with share_across_platforms.")
     save: bool = Field(True, description="Save new full prefix chunks (disable on load-only instances).")
     load: bool = Field(True, description="Load stored prefix chunks (disable on save-only instances).")
     log_interval_s: float = Field(30.0, ge=0, description="Seconds between metric log lines (0: never).")
@@ -73,6 +74,18 @@ class ConnectorConfig(BaseModel):
             raise ConfigError(
                 f"chunk_size {self.chunk_size} must be a multiple of vLLM's block_size {block_size}"
             )
+
+    def object_layout_id(self, block_size: int) -> str:
+        """The key namespace's name for what objects hold (see vllm_kvcodec/paged/objects.py)."""
+        from vllm_kvcodec.paged.base import CANONICAL_NAMESPACE
+        from vllm_kvcodec.paged.objects import page_namespace_id
+
+        kind = self.object_layout
+        if kind == "auto":
+            kind = "canonical" if self.share_across_platforms else "pages"
+        if kind == "pages" and self.share_across_platforms:
+            raise ConfigError("object_layout 'pages' holds one platform's page bytes; with share_across_platforms use 'canonical' (or 'auto')")
+        return CANONICAL_NAMESPACE if kind == "canonical" else page_namespace_id(block_size)
 
     def layer_groups(self, num_layers: int) -> list[range]:
         per = self.layers_per_object or max(1, -(-num_layers // 6))

@@ -27,7 +27,6 @@ from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.identity import compute_identity, model_identity
 from vllm_kvcodec.keys import Namespace
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
-from vllm_kvcodec.paged import CANONICAL_NAMESPACE
 from vllm_kvcodec.connector.scheduler_half import SchedulerHalf
 from vllm_kvcodec.connector.transfer_stats import KVCodecTransferStats
 from vllm_kvcodec.stats import summarize
@@ -202,7 +201,7 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig) -> Names
         num_layers=model.get_num_layers(parallel),
         num_kv_heads=model.get_num_kv_heads(parallel),
         head_dim=model.get_head_size(),
-        layout_id=CANONICAL_NAMESPACE,
+        layout_id=config.object_layout_id(vllm_config.cache_config.block_size),
         tp_size=parallel.tensor_parallel_size,
         chunk_size=config.chunk_size,
         layers_per_object=len(groups[0]),

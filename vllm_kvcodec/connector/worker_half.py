@@ -35,6 +35,7 @@ from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.malloc_tuning import reuse_large_buffers
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, SaveOutcome, SaveSpec
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, layouts_for, shared_kv_layers
+from vllm_kvcodec.paged.objects import object_layout_for
 from vllm_kvcodec.save.gather import SaveGather, save_gather_for
 from vllm_kvcodec.save.saver import Saver
 from vllm_kvcodec.stats import ConnectorStats
@@ -59,6 +60,7 @@ class WorkerHalf:
         self.vllm_config, self.config, self.namespace = vllm_config, config, namespace
         self.groups, self.tp_rank = groups, tp_rank
         self.stats = ConnectorStats()
+        self.objects = object_layout_for(namespace.layout_id)  # what one stored object holds: pages or canonical KV
         self.chooser = CodecChooser(_codec_spec(config.codec, DType.parse(namespace.dtype)),
                                     decoders=min(config.fetch_threads, os.cpu_count() or 1))
         self.store = open_connector_store(config)
@@ -87,7 +89,7 @@ class WorkerHalf:
         if len(names) != self.namespace.num_layers:
             raise ConfigError(f"expected {self.namespace.num_layers} KV layers, vLLM registered {len(names)}")
         for name in names:
-            if layouts[name].key_namespace != CANONICAL_NAMESPACE:
+            if self.objects.namespace_id == CANONICAL_NAMESPACE and layouts[name].key_namespace != CANONICAL_NAMESPACE:
                 raise ConfigError(f"layer {name}: layout {layouts[name].layout_id} is not canonical; cannot share chunks")
         self._layer_of = {name: i for i, name in enumerate(names)}
         self._layer_of.update({name: self._layer_of[target] for name, target in shared.items()})
@@ -99,7 +101,8 @@ class WorkerHalf:
                                               self.config.fetch_threads, self.stats, self.chooser.observe_transfer)
         self.saver = Saver(self.store, addresses, self.chooser, self.config.save_threads,
                            self.config.max_pending_save_bytes, self.stats, report=self._save_settled)
-        self.save_gather = save_gather_for(caches, ordered, self.saver)
+        self.save_gather = save_gather_for(caches, ordered, self.saver, self.objects)
+        self.chooser.token_axis = self.objects.token_axis
         logger.info("kvcodec: %d KV layers in %d groups, layout %s, store %s, codec %s",
                     len(names), len(self.groups), ordered[0].layout_id, redact_url(self.config.store), self.chooser.fixed or "auto")
 

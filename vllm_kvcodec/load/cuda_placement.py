@@ -45,6 +45,7 @@ from vllm_kvcodec.gpu import splitzip_triton as sz
 from vllm_kvcodec.load.fetcher import Decoded, Fetcher, Placement
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PagedLayout
+from vllm_kvcodec.paged.objects import PageObjects
 
 FLAG_BYTES = 8  # two int32 device validation flags of a SplitZip decode
 
@@ -136,9 +137,13 @@ class CudaPlacement(Placement):
             sz.raise_if_invalid(flags_host)
         return Decoded(kv, dev_slots, on_device)
 
-    def scatter(self, layers: range, decoded: Decoded, first_token: int) -> None:
-        part = decoded.kv[:, :, first_token : first_token + decoded.slots.numel()]
+    def scatter(self, layers: range, decoded: Decoded, slots: list[int], first_token: int) -> None:
         with self.side.active():
+            if isinstance(self.objects, PageObjects):  # whole pages: block copies on the device
+                for i, layer in enumerate(layers):
+                    self.objects.write(self.layouts[layer], self.caches[layer], slots, decoded.kv[i], first_token)
+                return
+            part = decoded.kv[:, :, first_token : first_token + len(slots)]
             if self.pages is not None:
                 self.pages.scatter(layers.start, part, decoded.slots)
                 return

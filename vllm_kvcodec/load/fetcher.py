@@ -35,6 +35,7 @@ from vllm_kvcodec.format import ChunkHeader, decode_payload, read_header
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PagedLayout
+from vllm_kvcodec.paged.objects import CanonicalObjects, ObjectLayout, object_layout_for
 
 if TYPE_CHECKING:  # imports vLLM; the fetcher itself must not (the GPU check runs without it)
     from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
@@ -59,7 +60,7 @@ class Decoded:
     """One object's KV ``[layers, 2, chunk, heads, head]`` and the chunk's slots, where the caches are."""
 
     kv: torch.Tensor
-    slots: torch.Tensor
+    slots: torch.Tensor | None  # the slots on the device, where the placement needs them there
     on_device: bool = False  # decoded by a device kernel (counted as gpu_decoded_objects)
 
 
@@ -68,6 +69,7 @@ class Placement(abc.ABC):
 
     def __init__(self, caches: list[torch.Tensor], layouts: list[PagedLayout]) -> None:
         self.caches, self.layouts = caches, layouts
+        self.objects: ObjectLayout = CanonicalObjects()  # the fetcher sets its namespace's
 
     def new_job(self, group_layers: list[list[int]], objects_per_group: int, req_ids: list[str]) -> LoadJob:
         return LoadJob(group_layers, objects_per_group, req_ids)
@@ -77,8 +79,8 @@ class Placement(abc.ABC):
         """Decode the object (untrusted beyond its header) next to the caches; raise on anything invalid."""
 
     @abc.abstractmethod
-    def scatter(self, layers: range, decoded: Decoded, first_token: int) -> None:
-        """Write tokens ``first_token:`` of the decoded object into its slots, layer by layer."""
+    def scatter(self, layers: range, decoded: Decoded, slots: list[int], first_token: int) -> None:
+        """Write tokens ``first_token:`` of the decoded object into ``slots``, layer by layer."""
 
     def shutdown(self) -> None:
         """Release streams or staging memory, if any."""
@@ -88,12 +90,11 @@ class HostPlacement(Placement):
     """Caches in host memory: decode on the fetch thread, scatter with each layer's page layout."""
 
     def decode(self, blob: bytes, header: ChunkHeader, slots: list[int]) -> Decoded:
-        return Decoded(decode_payload(blob, header), torch.tensor(slots, dtype=torch.int64))
+        return Decoded(decode_payload(blob, header), None)
 
-    def scatter(self, layers: range, decoded: Decoded, first_token: int) -> None:
-        part = decoded.kv[:, :, first_token : first_token + decoded.slots.numel()]
+    def scatter(self, layers: range, decoded: Decoded, slots: list[int], first_token: int) -> None:
         for i, layer in enumerate(layers):
-            self.layouts[layer].scatter(self.caches[layer], decoded.slots, part[i], check=False)
+            self.objects.write(self.layouts[layer], self.caches[layer], slots, decoded.kv[i], first_token)
 
 
 class Fetcher:
@@ -112,6 +113,7 @@ class Fetcher:
         self.observe_transfer = observe_transfer  # feeds the link estimate of codec "auto"
         self.groups, self.caches, self.layouts, self.stats = addresses.groups, caches, layouts, stats
         self.placement = placement if placement is not None else HostPlacement(caches, layouts)
+        self.objects = self.placement.objects = object_layout_for(addresses.namespace.layout_id)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-fetch", initializer=_one_torch_thread)
 
     def submit(self, specs: list[LoadSpec], timeout_s: float) -> LoadJob:
@@ -134,7 +136,7 @@ class Fetcher:
         get would hold a long prefix's group in memory at once.
         """
         a = self.layouts[self.groups[group][0]]
-        raw = len(self.groups[group]) * 2 * self.addresses.namespace.chunk_size * a.num_kv_heads * a.head_size * a.dtype.itemsize
+        raw = len(self.groups[group]) * 2 * self.addresses.namespace.chunk_size * a.num_kv_heads * a.head_size * a.dtype.itemsize  # about
         per = max(1, BATCH_BYTES // max(1, raw))
         return [objects[i : i + per] for i in range(0, len(objects), per)]
 
@@ -178,7 +180,7 @@ class Fetcher:
         if not job.begin_write():
             raise LoadError("load cancelled (timeout)")
         try:
-            self.placement.scatter(layers, decoded, chunk.first_token)
+            self.placement.scatter(layers, decoded, chunk.slots, chunk.first_token)
         finally:
             job.end_write()
         t3 = time.perf_counter()
@@ -191,8 +193,9 @@ class Fetcher:
 
     def _check(self, header: ChunkHeader, num_layers: int) -> None:
         """The object must hold exactly one layer group of one chunk of this engine's KV, before anything is decoded."""
-        a = self.layouts[self.groups[0][0]]
-        expected = (num_layers, 2, self.addresses.namespace.chunk_size, a.num_kv_heads, a.head_size)
+        first = self.groups[0][0]
+        a = self.layouts[first]
+        expected = self.objects.object_shape(num_layers, a, self.caches[first], self.addresses.namespace.chunk_size)
         if header.shape != expected or header.dtype.torch_dtype != a.dtype:
             raise LoadError(f"stored object holds {header.shape} {header.dtype.name.lower()}, expected {expected} {a.dtype}")
 
