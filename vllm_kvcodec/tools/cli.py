@@ -56,12 +56,14 @@ def bench_ttft(
     store: Optional[str] = typer.Option(
         None, help="Store URL behind the link (e.g. mooncake://host:port?...; default: a temporary file store)."
     ),
+    replay: bool = typer.Option(True, help="Also replay the whole prompt from local disk beside vLLM's ExampleConnector."),
 ) -> None:
     """TTFT of a 4k-token prefix loaded through the connector per codec at 1/10/100 Gbit/s vs recompute."""
     from vllm_kvcodec.tools.bench import ttft
 
     ttft.run(output, codecs=codec or None, gbps=gbps or None, rtt_ms=rtt_ms, prefix_tokens=prefix_tokens,
-             suffix_tokens=suffix_tokens, repeats=repeats, video=video, quick=quick, store=store)
+             suffix_tokens=suffix_tokens, repeats=repeats, video=video, quick=quick, store=store,
+             replay=replay)
 
 
 @bench_app.command("fuzz")

@@ -57,7 +57,10 @@ def engine_env(threads: int | None = None) -> None:
 class Engine:
     """An in-process vLLM engine on SmolLM2 and the connector instances it created."""
 
-    def __init__(self, store: str | None, codec: Any = "rans", max_model_len: int = 4096, **extra: Any) -> None:
+    def __init__(self, store: str | None, codec: Any = "rans", max_model_len: int = 4096,
+                 transfer: dict[str, Any] | None = None, **extra: Any) -> None:
+        """``store`` None and no ``transfer``: no connector; ``transfer``: another connector's
+        ``kv_transfer_config`` as it is (benchmarks put vLLM's own beside this one)."""
         engine_env()
         with captured_stderr():
             from vllm import LLM
@@ -65,7 +68,6 @@ class Engine:
             from vllm_kvcodec.connector.facade import live_connectors
         from vllm_kvcodec.tools.smollm2 import model_dir
 
-        transfer = None
         if store is not None:
             transfer = {
                 "kv_connector": "KVCodecConnector",
