@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -71,6 +72,7 @@ class KVCodecConnector(KVConnectorBase_V1):
             self.worker = WorkerHalf(vllm_config, self.config, namespace, groups, _tp_rank())
         self.created = next(_CREATED)
         self._last_log = time.monotonic()
+        self._outages_reported = 0
         _LIVE.add(self)
 
     # ---- worker side ----------------------------------------------------------------
@@ -102,6 +104,7 @@ class KVCodecConnector(KVConnectorBase_V1):
         half = self.worker or self.scheduler  # vLLM asks both sides
         if half is None:
             return None
+        self._count_store_outages(half)
         self._maybe_log(half)
         data = half.stats.take_interval()
         return KVCodecTransferStats(data=data) if data else None
@@ -116,9 +119,24 @@ class KVCodecConnector(KVConnectorBase_V1):
             if totals:
                 logger.info("kvcodec %s: %s", self.role.name.lower(), ", ".join(f"{k}={v}" for k, v in totals.items()))
 
+    def _count_store_outages(self, half: WorkerHalf | SchedulerHalf) -> None:
+        """Each up -> down transition of this side's store, once (``vllm:kvcodec_store_down_total``)."""
+        outages = getattr(half.store, "outages", 0)
+        if outages > self._outages_reported:
+            half.stats.add(**{f"store_down_{self.role.name.lower()}": outages - self._outages_reported})
+            self._outages_reported = outages
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVCodecTransferStats | None:
         return KVCodecTransferStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> "KVConnectorPromMetrics":
+        """The connector's series on vLLM's /metrics (vLLM calls this in its front-end process)."""
+        from vllm_kvcodec.connector.prom_metrics import KVCodecPromMetrics
+
+        return KVCodecPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler side -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
