@@ -30,6 +30,7 @@ from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE
 from vllm_kvcodec.connector.scheduler_half import SchedulerHalf
 from vllm_kvcodec.connector.transfer_stats import KVCodecTransferStats
+from vllm_kvcodec.connector.vllm_logging import follow_vllm_logging
 from vllm_kvcodec.stats import summarize
 from vllm_kvcodec.connector.worker_half import WorkerHalf
 
@@ -57,6 +58,7 @@ def live_connectors() -> list["KVCodecConnector"]:
 class KVCodecConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        follow_vllm_logging()  # before the first line is logged; also without the plug-in (module path)
         transfer = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
