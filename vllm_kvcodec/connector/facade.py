@@ -1,10 +1,9 @@
 """KVCodecConnector: vLLM's entry point, a thin facade over the scheduler and worker halves.
 
-Use it with::
+Use it with (the package's vLLM plug-in registers the name; ``"kv_connector_module_path":
+"vllm_kvcodec.connector"`` works as well)::
 
-    --kv-transfer-config '{"kv_connector": "KVCodecConnector",
-                           "kv_connector_module_path": "vllm_kvcodec.connector",
-                           "kv_role": "kv_both",
+    --kv-transfer-config '{"kv_connector": "KVCodecConnector", "kv_role": "kv_both",
                            "kv_connector_extra_config": {"store": "redis://127.0.0.1:6379/0"}}'
 
 Every call is handed to the half that owns it (the pattern of vLLM's
