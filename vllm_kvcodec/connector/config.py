@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from storage.registry import describe_schemes
 from vllm_kvcodec.cache_dir import cache_dir
 from vllm_kvcodec.errors import ConfigError
 
@@ -25,7 +26,7 @@ class ConnectorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    store: str = Field(default_factory=default_store_url, description="Store URL, one of the schemes of storage/registry.py: file:///path, memory://name, redis://host:6379/0, rediss://, redis+cluster://, mooncake://master:50051?..., and the wrappers link+<url>, faults+<url>.")
+    store: str = Field(default_factory=default_store_url, description=f"Store URL, one of: {describe_schemes()} (see docs/stores.md).")
     codec: str | dict[str, Any] | None = Field(None, description="Codec id or config dict (raw, zstd, splitzip, rans, video), 'auto' to pick by measured link and codec speed, or null for the densest codec the model's dtype allows (rans; zstd for float16).")
     chunk_size: int = Field(256, gt=0, description="Tokens per stored chunk; a multiple of vLLM's block_size.")
     layers_per_object: int = Field(0, ge=0, description="Layers per stored object so loads stream layer group by layer group; 0 picks about 6 groups.")
@@ -43,7 +44,8 @@ class ConnectorConfig(BaseModel):
     object_layout: Literal["auto", "pages", "canonical"] = Field("auto", description="What a stored object holds. pages: the chunk's KV pages exactly as the attention kernels lay them out, saved and loaded with block copies (fastest; only engines of the same platform and kernels read them). canonical: [layers, 2, tokens, heads, dim] K and V, readable by any attention backend, at the cost of a transform on every save and load. auto: pages, or canonical with share_across_platforms.")
     save: bool = Field(True, description="Save new full prefix chunks (disable on load-only instances).")
     load: bool = Field(True, description="Load stored prefix chunks (disable on save-only instances).")
-    log_interval_s: float = Field(30.0, ge=0, description="Seconds between metric log lines (0: never).")
+    log_interval_s: float = Field(30.0, ge=0, description="Seconds between the connector's `kvcodec worker:` / `kvcodec scheduler:` log lines of totals (0: never); logged while the engine steps.")
+    shutdown_flush_s: float = Field(10.0, ge=0, description="On shutdown, seconds to wait for queued saves to reach the store; what is still queued then is dropped (and the count logged). vLLM must allow it: its --shutdown-timeout (kvcodec serve sets it) must exceed this, or vLLM kills the engine first.")
 
     @field_validator("store")
     @classmethod

@@ -1,10 +1,9 @@
 """KVCodecConnector: vLLM's entry point, a thin facade over the scheduler and worker halves.
 
-Use it with::
+Use it with (the package's vLLM plug-in registers the name; ``"kv_connector_module_path":
+"vllm_kvcodec.connector"`` works as well)::
 
-    --kv-transfer-config '{"kv_connector": "KVCodecConnector",
-                           "kv_connector_module_path": "vllm_kvcodec.connector",
-                           "kv_role": "kv_both",
+    --kv-transfer-config '{"kv_connector": "KVCodecConnector", "kv_role": "kv_both",
                            "kv_connector_extra_config": {"store": "redis://127.0.0.1:6379/0"}}'
 
 Every call is handed to the half that owns it (the pattern of vLLM's
@@ -29,6 +28,7 @@ from vllm_kvcodec.keys import Namespace
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
 from vllm_kvcodec.connector.scheduler_half import SchedulerHalf
 from vllm_kvcodec.connector.transfer_stats import KVCodecTransferStats
+from vllm_kvcodec.connector.vllm_logging import follow_vllm_logging
 from vllm_kvcodec.stats import summarize
 from vllm_kvcodec.connector.worker_half import WorkerHalf
 
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -55,6 +56,7 @@ def live_connectors() -> list["KVCodecConnector"]:
 class KVCodecConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        follow_vllm_logging()  # before the first line is logged; also without the plug-in (module path)
         transfer = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
@@ -70,6 +72,7 @@ class KVCodecConnector(KVConnectorBase_V1):
             self.worker = WorkerHalf(vllm_config, self.config, namespace, groups, _tp_rank())
         self.created = next(_CREATED)
         self._last_log = time.monotonic()
+        self._outages_reported = 0
         _LIVE.add(self)
 
     # ---- worker side ----------------------------------------------------------------
@@ -101,6 +104,7 @@ class KVCodecConnector(KVConnectorBase_V1):
         half = self.worker or self.scheduler  # vLLM asks both sides
         if half is None:
             return None
+        self._count_store_outages(half)
         self._maybe_log(half)
         data = half.stats.take_interval()
         return KVCodecTransferStats(data=data) if data else None
@@ -115,9 +119,24 @@ class KVCodecConnector(KVConnectorBase_V1):
             if totals:
                 logger.info("kvcodec %s: %s", self.role.name.lower(), ", ".join(f"{k}={v}" for k, v in totals.items()))
 
+    def _count_store_outages(self, half: WorkerHalf | SchedulerHalf) -> None:
+        """Each up -> down transition of this side's store, once (``vllm:kvcodec_store_down_total``)."""
+        outages = getattr(half.store, "outages", 0)
+        if outages > self._outages_reported:
+            half.stats.add(**{f"store_down_{self.role.name.lower()}": outages - self._outages_reported})
+            self._outages_reported = outages
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVCodecTransferStats | None:
         return KVCodecTransferStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> "KVConnectorPromMetrics":
+        """The connector's series on vLLM's /metrics (vLLM calls this in its front-end process)."""
+        from vllm_kvcodec.connector.prom_metrics import KVCodecPromMetrics
+
+        return KVCodecPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler side -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:

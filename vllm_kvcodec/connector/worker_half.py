@@ -217,7 +217,7 @@ class WorkerHalf:
         if self.save_gather is not None:
             self.save_gather.shutdown()
         if self.saver is not None:
-            self.saver.shutdown()
+            self.saver.shutdown(self.config.shutdown_flush_s)
         if self.fetcher is not None:
             self.fetcher.shutdown()
         self.store.close()

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from storage import Store
+from storage import Store, StoreError
+from vllm_kvcodec.errors import ChunkFormatError
 from vllm_kvcodec.format import ChunkHeader, decode_payload, read_header
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
@@ -52,7 +53,24 @@ def _one_torch_thread() -> None:
 
 
 class LoadError(Exception):
-    """A stored object could not be used; its blocks are recomputed."""
+    """A stored object could not be used; its blocks are recomputed. ``kind`` names why (a metric label)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def failure_kind(exc: BaseException) -> str:
+    """Why an object did not load, as ``vllm:kvcodec_load_failures_total``'s ``kind``: missing, corrupt
+    (header, checksum, key binding or payload), mismatch (another shape or dtype), store (the store failed),
+    timeout (the load was cancelled past its deadline) or other."""
+    if isinstance(exc, LoadError):
+        return exc.kind
+    if isinstance(exc, ChunkFormatError):
+        return "corrupt"
+    if isinstance(exc, StoreError):
+        return "store"
+    return "other"
 
 
 @dataclasses.dataclass
@@ -120,6 +138,7 @@ class Fetcher:
         chunks = [(spec, chunk) for spec in specs for chunk in spec.chunks]
         job = self.placement.new_job([list(g) for g in self.groups], len(chunks), [s.req_id for s in specs])
         job.deadline = time.monotonic() + timeout_s
+        job.on_request_loaded = lambda seconds: self.stats.sample(load_s=seconds)
         for g in range(len(self.groups)):
             for i, (spec, chunk) in enumerate(chunks):
                 job.expect(g, i, spec.req_id, chunk.chunk_hash, chunk.block_ids)
@@ -154,23 +173,24 @@ class Fetcher:
         if error is None and self.observe_transfer is not None:
             self.observe_transfer(sum(len(b) for b in blobs if b is not None), fetch_s)
         self.stats.add(fetch_s=fetch_s, fetch_batches=1)
+        self.stats.sample(fetch_s=fetch_s)
         for (index, chunk), key, blob in zip(batch, keys, blobs):
             ok = False
             try:
                 if error is not None:
-                    raise LoadError(f"store get failed: {error}")
+                    raise LoadError(f"store get failed: {error}", "store")
                 if not job.cancelled:
                     self._decode_scatter(job, group, chunk, key, blob)
                     ok = True
             except Exception as exc:  # noqa: BLE001 - any failure means "recompute these blocks"
-                self.stats.add(load_failures=1)
+                self.stats.add(load_failures=1, **{f"load_failures_{failure_kind(exc)}": 1})
                 logger.warning("kvcodec: load of chunk %s group %d failed, recomputing: %s", chunk.chunk_hash[:12], group, exc)
             finally:
                 job.object_done(group, index, ok)
 
     def _decode_scatter(self, job: LoadJob, group: int, chunk: ChunkLoad, key: str, blob: bytes | None) -> None:
         if blob is None:
-            raise LoadError(f"object {key} is missing")
+            raise LoadError(f"object {key} is missing", "missing")
         t1 = time.perf_counter()
         header = read_header(blob, key=key)  # sizes, checksum and key binding: a swapped object is rejected
         layers = self.groups[group]
@@ -178,7 +198,7 @@ class Fetcher:
         decoded = self.placement.decode(blob, header, chunk.slots)
         t2 = time.perf_counter()
         if not job.begin_write():
-            raise LoadError("load cancelled (timeout)")
+            raise LoadError("load cancelled (timeout)", "timeout")
         try:
             self.placement.scatter(layers, decoded, chunk.slots, chunk.first_token)
         finally:
@@ -190,6 +210,7 @@ class Fetcher:
             **({"loaded_tokens": len(chunk.slots)} if group == 0 else {}),
             **({"gpu_decoded_objects": 1} if decoded.on_device else {}),
         )
+        self.stats.sample(decode_s=t2 - t1, scatter_s=t3 - t2)
 
     def _check(self, header: ChunkHeader, num_layers: int) -> None:
         """The object must hold exactly one layer group of one chunk of this engine's KV, before anything is decoded."""
@@ -197,7 +218,8 @@ class Fetcher:
         a = self.layouts[first]
         expected = self.objects.object_shape(num_layers, a, self.caches[first], self.addresses.namespace.chunk_size)
         if header.shape != expected or header.dtype.torch_dtype != a.dtype:
-            raise LoadError(f"stored object holds {header.shape} {header.dtype.name.lower()}, expected {expected} {a.dtype}")
+            raise LoadError(f"stored object holds {header.shape} {header.dtype.name.lower()}, expected {expected} {a.dtype}",
+                            "mismatch")
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

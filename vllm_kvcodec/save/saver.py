@@ -161,5 +161,22 @@ class Saver:
                     return False
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        self.flush(timeout)
+        """Store what is queued within ``timeout`` seconds (the connector's ``shutdown_flush_s``), then stop.
+
+        A queued save is a chunk the next engine would otherwise recompute, so
+        shutdown waits for it, but not without bound: vLLM kills the engine at
+        its own shutdown timeout. What is left at the bound is dropped, and
+        said so (how many), rather than lost without a word.
+        """
+        with self._lock:
+            queued = len(self._futures)
+        t0 = time.monotonic()
+        stored_all = self.flush(timeout)
+        with self._lock:
+            left = len(self._futures)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if stored_all:
+            logger.info("kvcodec: shutdown: stored the %d queued chunk save(s) in %.2f s", queued, time.monotonic() - t0)
+        else:
+            logger.warning("kvcodec: shutdown: %d of %d queued chunk save(s) not stored within %.1f s "
+                           "(shutdown_flush_s); dropped, they will be recomputed", left, queued, timeout)
