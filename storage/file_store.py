@@ -41,8 +41,8 @@ _MAGIC = b"KVS1"
 _HEADER = struct.Struct("<4sH")  # magic, key length; then the key, then the value
 
 
-def from_url(url: str) -> "FileStore":
-    """``file:///abs/path[?max_bytes=10GiB&fsync=1]`` (also ``file:relative/path``)."""
+def from_url(url: str, read_only: bool = False) -> "FileStore":
+    """``file:///abs/path[?max_bytes=10GiB&fsync=1]`` (also ``file:relative/path``); ``read_only``: see FileStore."""
     base, options = split_query(url)
     reject_unknown(options, {"max_bytes", "fsync"}, url)
     parts = urlsplit(base)
@@ -53,7 +53,7 @@ def from_url(url: str) -> "FileStore":
         raise StoreURLError(f"{url!r} names no directory")
     max_bytes = parse_size("max_bytes", options["max_bytes"]) if "max_bytes" in options else None
     fsync = parse_bool("fsync", options.get("fsync", "0"))
-    return FileStore(path, max_bytes=max_bytes, fsync=fsync)
+    return FileStore(path, max_bytes=max_bytes, fsync=fsync, read_only=read_only)
 
 
 def object_name(key: str) -> str:
@@ -62,10 +62,18 @@ def object_name(key: str) -> str:
 
 
 class FileStore(Store):
-    def __init__(self, root: str | os.PathLike[str], *, max_bytes: int | None = None, fsync: bool = False) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, max_bytes: int | None = None, fsync: bool = False,
+                 read_only: bool = False) -> None:
+        """``read_only``: the directory must exist (it is not created) and the size cap's index is not built
+        (it writes); writes are refused by the :class:`~storage.read_only.ReadOnlyStore` around it."""
         self._root = os.path.abspath(os.fspath(root))
         super().__init__(_describe(self._root, max_bytes, fsync))
         self._fsync = fsync
+        if read_only:
+            if not os.path.isdir(self._root):
+                raise StoreUnavailableError(f"no file store at {self._root}: the directory does not exist")
+            self._cap = None
+            return
         try:
             os.makedirs(self._root, exist_ok=True)
             self._cap = SizeCap(self._root, max_bytes) if max_bytes else None

@@ -27,6 +27,7 @@ Schemes:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import re
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from storage.base import Store
 from storage.errors import StoreURLError
 from storage.options import redact_url
+from storage.read_only import ReadOnlyStore
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
@@ -46,6 +48,7 @@ class Scheme:
     extra: str = ""  # the pip extra that brings the backend's library
     wrapper: bool = False
     needs: str = ""  # what else the backend's library needs, for the error when it cannot be imported
+    read_only_option: bool = False  # the factory takes read_only=True (then it creates nothing on open)
 
 
 SCHEMES: dict[str, Scheme] = {}
@@ -56,7 +59,7 @@ def register_scheme(scheme: Scheme) -> None:
 
 
 for _s in (
-    Scheme("file", "storage.file_store:from_url", "file:///path"),
+    Scheme("file", "storage.file_store:from_url", "file:///path", read_only_option=True),
     Scheme("memory", "storage.memory_store:from_url", "memory://name"),
     Scheme("redis", "storage.redis_store:RedisStore", "redis://host:6379/0", "redis"),
     Scheme("rediss", "storage.redis_store:RedisStore", "rediss://host:6380/0", "redis"),
@@ -97,11 +100,22 @@ def check_url(url: str) -> str:
     return url
 
 
-def open_store(url: str) -> Store:
-    """Open the store ``url`` names; raises StoreURLError for a malformed URL or an unknown scheme."""
+def open_store(url: str, *, read_only: bool = False) -> Store:
+    """Open the store ``url`` names; raises StoreURLError for a malformed URL or an unknown scheme.
+
+    ``read_only``: writes raise, and nothing is created on open (a file store
+    whose directory does not exist is a StoreUnavailableError, not a new empty
+    store); a wrapper's inner store is opened read-only as well.
+    """
     scheme = scheme_of(url)
     factory = _factory(scheme, url)
-    return factory(url, open_store) if scheme.wrapper else factory(url)
+    if scheme.wrapper:
+        store = factory(url, functools.partial(open_store, read_only=True) if read_only else open_store)
+    elif read_only and scheme.read_only_option:
+        store = factory(url, read_only=True)
+    else:
+        store = factory(url)
+    return ReadOnlyStore(store) if read_only else store
 
 
 def _factory(scheme: Scheme, url: str) -> Callable[..., Store]:

@@ -58,13 +58,18 @@ def store_url(kind: str, tmp_path: Path, request) -> str:
     return request.getfixturevalue("redis_url")
 
 
-CASES = [(c, s, "sync") for c in CODECS for s in ("file", "redis")] + [("auto", "file", "async"), ("rans", "redis", "async")]
+# Page objects (the default: block copies) for every codec and store; canonical objects for two.
+CASES = [(c, s, "sync", "auto") for c in CODECS for s in ("file", "redis")] + [
+    ("auto", "file", "async", "auto"), ("rans", "redis", "async", "auto"),
+    ("rans", "file", "sync", "canonical"), ("splitzip", "redis", "async", "canonical"),
+]
 
 
-@pytest.mark.parametrize("codec,store,load_mode", CASES)
-def test_bf16_loads_match_local_prefix_cache(codec: str, store: str, load_mode: str, text, reference_tokens, tmp_path, request) -> None:
+@pytest.mark.parametrize("codec,store,load_mode,objects", CASES)
+def test_bf16_loads_match_local_prefix_cache(codec: str, store: str, load_mode: str, objects: str, text, reference_tokens,
+                                             tmp_path, request) -> None:
     url = store_url(store, tmp_path, request)
-    with engine(connector_config(url, codec, chunk_size=BLOCK, load_mode=load_mode)) as llm:
+    with engine(connector_config(url, codec, chunk_size=BLOCK, load_mode=load_mode, object_layout=objects)) as llm:
         conn = worker_connector()
         greedy(llm, text[COLD])
         assert conn.flush(120)

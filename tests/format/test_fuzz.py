@@ -15,7 +15,6 @@ from __future__ import annotations
 import random
 import struct
 import tracemalloc
-from datetime import timedelta
 
 import pytest
 import xxhash
@@ -82,7 +81,9 @@ def _check(target: Target, rng) -> None:
     )
 
 
-FAST = settings(max_examples=300, deadline=timedelta(seconds=2), suppress_health_check=[HealthCheck.too_slow])
+# No per-example deadline: a 2-core CI box under load (or a first call that compiles numba kernels) made
+# 2 s examples flaky; how long hostile inputs take is measured by `kvcodec bench fuzz`, not timed here.
+FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FAST
@@ -92,7 +93,7 @@ def test_decode_chunk_rejects_every_raw_mutation(chunk_raw: Target, rng) -> None
     _check(chunk_raw, rng)
 
 
-@settings(max_examples=600, deadline=timedelta(seconds=2), suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rng=st.randoms(use_true_random=False))
 def test_decode_chunk_on_resealed_mutations(chunk_resealed: Target, rng) -> None:
     """Forged headers, hostile codec configs and payloads behind a valid checksum: decode or ChunkFormatError."""
@@ -106,7 +107,7 @@ def test_codec_decoder_on_hostile_payloads(codec_target: Target, rng) -> None:
     _check(codec_target, rng)
 
 
-@settings(max_examples=20, deadline=timedelta(seconds=10), suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rng=st.randoms(use_true_random=False))
 def test_video_decoder_on_hostile_payloads(video_target: Target, rng) -> None:
     _check(video_target, rng)

@@ -83,13 +83,17 @@ def assert_paged_kv_equals_stored(conn: Any, url: str) -> None:
     """The last load's slots, read back through each layer's layout, are the stored chunks' bits.
 
     Per KV cache group: each layer is compared on its own group's span (a
-    sliding-window layer on its window's blocks only).
+    sliding-window layer on its window's blocks only). Paged KV is compared in
+    the canonical view (a page object read through the same page layout, so a
+    byte out of place in either shows); for page objects the stored pages are
+    also exactly the cache's pages, block for block.
     """
     import torch
 
     from storage import open_store
     from vllm_kvcodec.format import decode_chunk
     from vllm_kvcodec.keys import object_key
+    from vllm_kvcodec.paged.objects import PageObjects
 
     worker = conn.worker
     spec = worker.recent_loads[-1]
@@ -97,10 +101,20 @@ def assert_paged_kv_equals_stored(conn: Any, url: str) -> None:
     with open_store(url) as store:
         for chunk in spec.chunks:
             for g, layers in enumerate(worker.groups):
-                stored = decode_chunk(store.get(object_key(worker.namespace, chunk.chunk_hash, 0, g)))
-                assert stored.dtype == worker.layouts[0].dtype
+                raw = decode_chunk(store.get(object_key(worker.namespace, chunk.chunk_hash, 0, g)))
+                assert raw.dtype == worker.layouts[0].dtype
+                stored = worker.objects.canonical(raw, worker.layouts[layers.start])  # pages or canonical KV
                 for i, layer in enumerate(layers):
                     span = chunk.spans[worker.layer_cache_groups[layer]]
+                    if not span.slots:
+                        continue
+                    a = worker.layouts[layer]
                     part = stored[i, :, span.first_token : span.first_token + len(span.slots)]
-                    paged = worker.layouts[layer].gather(worker.caches[layer], torch.tensor(span.slots, dtype=torch.int64))
+                    paged = a.gather(worker.caches[layer], torch.tensor(span.slots, dtype=torch.int64))
                     assert torch.equal(paged.view(wide), part.view(wide)), f"layer {layer}, chunk {chunk.chunk_hash[:8]}"
+                    if isinstance(worker.objects, PageObjects):  # the very bytes, block for block
+                        blocks = torch.tensor(span.slots[:: a.block_size]) // a.block_size
+                        pages = a.read_pages(worker.caches[layer], blocks)
+                        first = span.first_token // a.block_size
+                        mine = raw[i].narrow(a.block_axis, first, blocks.numel())
+                        assert torch.equal(pages.view(wide), mine.view(wide)), f"pages of layer {layer}"

@@ -115,6 +115,49 @@ def test_config_prints_valid_json_or_a_clear_error() -> None:
     assert bad.returncode == 2 and "unknown codec 'gzip'" in bad.stderr
 
 
-def test_inspect_of_a_bad_url_fails_cleanly() -> None:
-    done = kvcodec("inspect", "s3://nowhere")
-    assert done.returncode == 2 and "error" in done.stdout
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    """A usage error: exit status 2 and one line on stderr, no traceback, nothing on stdout."""
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("Triton is installed")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and not done.stdout, done.stderr[-2000:]
+    return lines[0]
+
+
+def test_every_store_url_error_lists_the_registry_schemes(tmp_path) -> None:
+    from storage import describe_schemes
+
+    for args in (["config", "--store", "s3://nowhere"], ["inspect", "s3://nowhere"], ["verify", "nothing"],
+                 ["demo", "--store", "s3://nowhere"], ["serve", "MODEL", "--store", "s3://nowhere"]):
+        assert describe_schemes() in one_line_error(kvcodec(*args)), args
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--codec", "lzma"], "unknown codec 'lzma'"),
+    (["--tokens", "-5"], "--tokens -5: the shared prefix must hold 256 to 7936 tokens"),
+    (["--tokens", "100000"], "must hold 256 to 7936 tokens"),
+])
+def test_demo_rejects_bad_arguments_before_any_engine_starts(args: list[str], message: str) -> None:
+    assert message in one_line_error(kvcodec("demo", *args))
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_store_that_does_not_exist_is_an_error_and_is_not_created(tmp_path, command: str) -> None:
+    missing = tmp_path / "nowhere" / "store"
+    line = one_line_error(kvcodec(command, f"file://{missing}"))
+    assert "no file store at" in line and "does not exist" in line
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_inspect_and_verify_change_nothing_in_the_store(tmp_path) -> None:
+    url = _stored(tmp_path)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "store").rglob("*"))
+    assert kvcodec("inspect", url).returncode == 0 and kvcodec("verify", url).returncode == 0
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "store").rglob("*")) == before
+
+
+def test_config_says_which_block_sizes_a_chunk_size_fits() -> None:
+    line = one_line_error(kvcodec("config", "--chunk-size", "100"))
+    assert "multiple of 32 on vLLM's CPU backend" in line and "chunk_size 96 or 128 with --block-size 32" in line
+    cuda_only = kvcodec("config", "--chunk-size", "48")
+    assert cuda_only.returncode == 0 and json.loads(cuda_only.stdout)["kv_connector_extra_config"]["chunk_size"] == 48
+    assert "fits --block-size 16, 48 (CUDA) but no block size of vLLM's CPU backend" in cuda_only.stderr

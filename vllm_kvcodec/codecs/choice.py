@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,6 +45,8 @@ class CodecChooser:
         self._bandwidth = initial_gbps * 1e9 / 8  # bytes/s until measured
         self._lock = threading.Lock()
         self._current: Codec | None = None
+        # Which axis of a stored object a per-channel codec reads as tokens (the object layout's say).
+        self.token_axis: Callable[[int], int | None] = lambda ndim: None
 
     # ---- observations ---------------------------------------------------------------
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
@@ -61,7 +64,7 @@ class CodecChooser:
     def _calibrate(self, sample: torch.Tensor) -> None:
         raw = sample.numel() * sample.element_size()
         for codec in self.candidates:
-            blob = encode_chunk(sample, codec)
+            blob = encode_chunk(sample, self._for(codec, sample))
             decode_chunk(blob)  # untimed: JIT dispatch, caches and first-touch pages
             decode_s = max(min(_timed(decode_chunk, blob) for _ in range(3)), 1e-9)
             self.profile[codec.codec_id] = {"ratio": raw / len(blob), "decode_Bps": raw / decode_s}
@@ -69,7 +72,7 @@ class CodecChooser:
     # ---- decision -------------------------------------------------------------------
     def codec_for(self, sample: torch.Tensor) -> Codec:
         if self.fixed is not None:
-            return self.fixed
+            return self._for(self.fixed, sample)
         with self._lock:
             if not self.profile:
                 self._calibrate(sample)
@@ -77,7 +80,10 @@ class CodecChooser:
             if best != self._current:
                 self._log_choice(best)
                 self._current = best
-            return best
+            return self._for(best, sample)
+
+    def _for(self, codec: Codec, sample: torch.Tensor) -> Codec:
+        return with_token_axis(codec, self.token_axis(sample.dim()))
 
     def _expected_seconds_per_byte(self, codec: Codec) -> float:
         p = self.profile[codec.codec_id]
@@ -91,6 +97,13 @@ class CodecChooser:
             "kvcodec auto: link %.2f Gbit/s -> saving with %s (%s)",
             self._bandwidth * 8 / 1e9, codec.codec_id, figures,
         )
+
+
+def with_token_axis(codec: Codec, axis: int | None) -> Codec:
+    """``codec`` told which axis holds tokens, where it models channels and was not told already (rans)."""
+    if axis is None or getattr(codec, "token_axis", axis) is not None:
+        return codec
+    return get_codec({**codec.get_config(), "token_axis": axis})
 
 
 def _timed(fn, *args) -> float:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from storage.registry import describe_schemes
 from vllm_kvcodec.cache_dir import cache_dir
 from vllm_kvcodec.errors import ConfigError
 
@@ -25,7 +26,7 @@ class ConnectorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    store: str = Field(default_factory=default_store_url, description="Store URL, one of the schemes of storage/registry.py: file:///path, memory://name, redis://host:6379/0, rediss://, redis+cluster://, mooncake://master:50051?..., and the wrappers link+<url>, faults+<url>.")
+    store: str = Field(default_factory=default_store_url, description=f"Store URL, one of: {describe_schemes()} (see docs/stores.md).")
     codec: str | dict[str, Any] | None = Field(None, description="Codec id or config dict (raw, zstd, splitzip, rans, video), 'auto' to pick by measured link and codec speed, or null for the densest codec the model's dtype allows (rans; zstd for float16).")
     chunk_size: int = Field(256, gt=0, description="Tokens per stored chunk; a multiple of vLLM's block_size.")
     layers_per_object: int = Field(0, ge=0, description="Layers per stored object so loads stream layer group by layer group; 0 picks about 6 groups.")
@@ -40,9 +41,11 @@ class ConnectorConfig(BaseModel):
     salt: str = Field("", description="Tenant/salt mixed into every key: deployments with different salts never share chunks.")
     model_id: str = Field("", description="Model identity for the key namespace; default: a fingerprint of the local weights, or the hub name plus revision (set it to pin a hub model whose revision is unset), plus the quantisation.")
     share_across_platforms: bool = Field(False, description="false: chunks are shared only between engines of the same platform, device, kernel ISA, attention backend and vLLM/torch versions, so a hit gives exactly the KV this engine computes. true: any engine with the same model, dtype and geometry shares them (valid KV, possibly different in the last bits).")
+    object_layout: Literal["auto", "pages", "canonical"] = Field("auto", description="What a stored object holds. pages: the chunk's KV pages exactly as the attention kernels lay them out, saved and loaded with block copies (fastest; only engines of the same platform and kernels read them). canonical: [layers, 2, tokens, heads, dim] K and V, readable by any attention backend, at the cost of a transform on every save and load. auto: pages, or canonical with share_across_platforms.")
     save: bool = Field(True, description="Save new full prefix chunks (disable on load-only instances).")
     load: bool = Field(True, description="Load stored prefix chunks (disable on save-only instances).")
-    log_interval_s: float = Field(30.0, ge=0, description="Seconds between metric log lines (0: never).")
+    log_interval_s: float = Field(30.0, ge=0, description="Seconds between the connector's `kvcodec worker:` / `kvcodec scheduler:` log lines of totals (0: never); logged while the engine steps.")
+    shutdown_flush_s: float = Field(10.0, ge=0, description="On shutdown, seconds to wait for queued saves to reach the store; what is still queued then is dropped (and the count logged). vLLM must allow it: its --shutdown-timeout (kvcodec serve sets it) must exceed this, or vLLM kills the engine first.")
 
     @field_validator("store")
     @classmethod
@@ -73,6 +76,18 @@ class ConnectorConfig(BaseModel):
             raise ConfigError(
                 f"chunk_size {self.chunk_size} must be a multiple of vLLM's block_size {block_size}"
             )
+
+    def object_layout_id(self, block_size: int) -> str:
+        """The key namespace's name for what objects hold (see vllm_kvcodec/paged/objects.py)."""
+        from vllm_kvcodec.paged.base import CANONICAL_NAMESPACE
+        from vllm_kvcodec.paged.objects import page_namespace_id
+
+        kind = self.object_layout
+        if kind == "auto":
+            kind = "canonical" if self.share_across_platforms else "pages"
+        if kind == "pages" and self.share_across_platforms:
+            raise ConfigError("object_layout 'pages' holds one platform's page bytes; with share_across_platforms use 'canonical' (or 'auto')")
+        return CANONICAL_NAMESPACE if kind == "canonical" else page_namespace_id(block_size)
 
     def layer_groups(self, num_layers: int) -> list[range]:
         per = self.layers_per_object or max(1, -(-num_layers // 6))

@@ -1,10 +1,9 @@
 """KVCodecConnector: vLLM's entry point, a thin facade over the scheduler and worker halves.
 
-Use it with::
+Use it with (the package's vLLM plug-in registers the name; ``"kv_connector_module_path":
+"vllm_kvcodec.connector"`` works as well)::
 
-    --kv-transfer-config '{"kv_connector": "KVCodecConnector",
-                           "kv_connector_module_path": "vllm_kvcodec.connector",
-                           "kv_role": "kv_both",
+    --kv-transfer-config '{"kv_connector": "KVCodecConnector", "kv_role": "kv_both",
                            "kv_connector_extra_config": {"store": "redis://127.0.0.1:6379/0"}}'
 
 Every call is handed to the half that owns it (the pattern of vLLM's
@@ -37,9 +36,9 @@ from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.identity import compute_identity, model_identity
 from vllm_kvcodec.keys import Namespace
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
-from vllm_kvcodec.paged import CANONICAL_NAMESPACE
 from vllm_kvcodec.connector.scheduler_half import SchedulerHalf
 from vllm_kvcodec.connector.transfer_stats import KVCodecTransferStats
+from vllm_kvcodec.connector.vllm_logging import follow_vllm_logging
 from vllm_kvcodec.stats import summarize
 from vllm_kvcodec.connector.worker_half import WorkerHalf
 
@@ -47,6 +46,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -66,6 +66,7 @@ def live_connectors() -> list["KVCodecConnector"]:
 class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        follow_vllm_logging()  # before the first line is logged; also without the plug-in (module path)
         transfer = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
@@ -84,6 +85,7 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker = WorkerHalf(vllm_config, self.config, namespace, groups, _tp_rank(), cache_groups)
         self.created = next(_CREATED)
         self._last_log = time.monotonic()
+        self._outages_reported = 0
         _LIVE.add(self)
 
     # ---- worker side ----------------------------------------------------------------
@@ -122,6 +124,7 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
         half = self.worker or self.scheduler  # vLLM asks both sides
         if half is None:
             return None
+        self._count_store_outages(half)
         self._maybe_log(half)
         data = half.stats.take_interval()
         return KVCodecTransferStats(data=data) if data else None
@@ -136,9 +139,24 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
             if totals:
                 logger.info("kvcodec %s: %s", self.role.name.lower(), ", ".join(f"{k}={v}" for k, v in totals.items()))
 
+    def _count_store_outages(self, half: WorkerHalf | SchedulerHalf) -> None:
+        """Each up -> down transition of this side's store, once (``vllm:kvcodec_store_down_total``)."""
+        outages = getattr(half.store, "outages", 0)
+        if outages > self._outages_reported:
+            half.stats.add(**{f"store_down_{self.role.name.lower()}": outages - self._outages_reported})
+            self._outages_reported = outages
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVCodecTransferStats | None:
         return KVCodecTransferStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> "KVConnectorPromMetrics":
+        """The connector's series on vLLM's /metrics (vLLM calls this in its front-end process)."""
+        from vllm_kvcodec.connector.prom_metrics import KVCodecPromMetrics
+
+        return KVCodecPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler side -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -229,7 +247,7 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig, cache_gr
         num_layers=model.get_num_layers(parallel),
         num_kv_heads=model.get_num_kv_heads(parallel),
         head_dim=model.get_head_size(),
-        layout_id=CANONICAL_NAMESPACE,
+        layout_id=config.object_layout_id(vllm_config.cache_config.block_size),
         tp_size=parallel.tensor_parallel_size,
         chunk_size=config.chunk_size,
         layers_per_object=len(groups[0]),

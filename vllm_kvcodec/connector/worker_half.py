@@ -32,12 +32,14 @@ from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.codecs import policy
+from vllm_kvcodec.codecs.warmup import warm_up
 from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.keys import Namespace, ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.malloc_tuning import reuse_large_buffers
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, SaveOutcome, SaveSpec
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, layouts_for, shared_kv_layers
+from vllm_kvcodec.paged.objects import object_layout_for
 from vllm_kvcodec.save.gather import SaveGather, save_gather_for
 from vllm_kvcodec.save.saver import Saver
 from vllm_kvcodec.stats import ConnectorStats
@@ -56,6 +58,7 @@ class WorkerHalf:
         self.groups, self.tp_rank, self.cache_groups = groups, tp_rank, cache_groups
         self.stats = ConnectorStats()
         dtype = DType.parse(namespace.dtype)
+        self.objects = object_layout_for(namespace.layout_id)  # what one stored object holds: pages or canonical KV
         self.chooser = CodecChooser(_codec_spec(config.codec, dtype), candidates=policy.auto_candidates(dtype),
                                     decoders=min(config.fetch_threads, os.cpu_count() or 1))
         self.store = open_connector_store(config)
@@ -75,6 +78,7 @@ class WorkerHalf:
         self.recent_loads: collections.deque = collections.deque(maxlen=64)  # for inspection and tests
         self.save_gather: SaveGather | None = None
         reuse_large_buffers()
+        warm_up(DType.parse(namespace.dtype).torch_dtype)  # compile codec kernels now, not in the first load
 
     # ---- set-up ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -99,19 +103,20 @@ class WorkerHalf:
                                               cache_groups=self.layer_cache_groups)
         self.saver = Saver(self.store, addresses, self.chooser, self.config.save_threads,
                            self.config.max_pending_save_bytes, self.stats, report=self._save_settled)
-        self.save_gather = save_gather_for(caches, ordered, self.saver, self.layer_cache_groups)
+        self.save_gather = save_gather_for(caches, ordered, self.saver, self.layer_cache_groups, self.objects)
+        self.chooser.token_axis = self.objects.token_axis
         logger.info("kvcodec: %d KV layers in %d groups (%d KV cache groups: %s), layout %s, store %s, codec %s",
                     len(names), len(self.groups), len(self.cache_groups.groups),
                     ", ".join(g.label for g in self.cache_groups.groups), ordered[0].layout_id,
                     redact_url(self.config.store), self.chooser.fixed or "auto")
 
     def _check_layouts(self, names: list[str], layouts: dict[str, Any]) -> None:
-        """Every layer canonical, in the namespace's dtype, one geometry: what one stored object can hold."""
+        """Every layer in the namespace's dtype and one geometry (and canonical, for canonical objects): what one stored object can hold."""
         want = DType.parse(self.namespace.dtype).torch_dtype
         first = layouts[names[0]]
         for name in names:
             a = layouts[name]
-            if a.key_namespace != CANONICAL_NAMESPACE:
+            if self.objects.namespace_id == CANONICAL_NAMESPACE and a.key_namespace != CANONICAL_NAMESPACE:
                 raise ConfigError(f"layer {name}: layout {a.layout_id} is not canonical; cannot share chunks")
             if a.dtype != want:
                 raise ConfigError(f"layer {name}: KV cache holds {a.dtype}, the namespace {self.namespace.dtype}; "
@@ -255,7 +260,7 @@ class WorkerHalf:
         if self.save_gather is not None:
             self.save_gather.shutdown()
         if self.saver is not None:
-            self.saver.shutdown()
+            self.saver.shutdown(self.config.shutdown_flush_s)
         if self.fetcher is not None:
             self.fetcher.shutdown()
         self.store.close()

@@ -46,6 +46,7 @@ from vllm_kvcodec.gpu import splitzip_triton as sz
 from vllm_kvcodec.load.fetcher import Decoded, Fetcher, Placement
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PagedLayout
+from vllm_kvcodec.paged.objects import PageObjects
 from vllm_kvcodec.spans import Span
 
 FLAG_BYTES = 8  # two int32 device validation flags of a SplitZip decode
@@ -139,11 +140,17 @@ class CudaPlacement(Placement):
             self.side.host_wait(copied)  # this I/O thread only: staging reusable, flags readable
             sz.raise_if_invalid(flags_host)
         per_group = list(dev_slots.split([len(span.slots) for span in spans]))
-        return Decoded(kv, per_group, [span.first_token for span in spans], on_device)
+        return Decoded(kv, per_group, [span.first_token for span in spans], on_device, spans=list(spans))
 
     def scatter(self, layers: range, decoded: Decoded) -> None:
         groups = {self.cache_groups[layer] for layer in layers}
         with self.side.active():
+            if isinstance(self.objects, PageObjects):  # whole pages: block copies on the device
+                for i, layer in enumerate(layers):
+                    span = decoded.spans[self.cache_groups[layer]]
+                    if span.slots:
+                        self.objects.write(self.layouts[layer], self.caches[layer], span.slots, decoded.kv[i], span.first_token)
+                return
             if self.pages is not None and len(groups) == 1:
                 kv, slots = decoded.part(slice(None), groups.pop())
                 self.pages.scatter(layers.start, kv, slots)

@@ -3,16 +3,19 @@
 Objects are submitted in layer-group order, so the first layers' KV arrives
 first and the engine's prefill of the uncached suffix can start on layer 0
 while later groups are still on the wire. Store I/O and decoding (numba/zstd
-kernels) release the GIL, so threads overlap for real. Memory stays bounded:
-each thread holds at most one object.
+kernels) release the GIL, so threads overlap for real.
 
-Per object, whatever the medium: get it (a missing object fails its blocks),
-validate its header once (sizes, checksum, the key it is bound to, the shape
-this engine expects), then let the :class:`Placement` decode and scatter it.
-What differs between host memory and a CUDA device is only the placement
-(:class:`HostPlacement` here; :class:`~vllm_kvcodec.load.cuda_placement.CudaPlacement`
-stages, copies and decodes on a side stream), the way vLLM's offloading code
-keeps one worker contract with a transfer handler per medium.
+Objects are fetched in batches, one store round trip each (``get_many``: one
+Redis MGET, one Mooncake batch read), of at most ``BATCH_BYTES`` of raw KV: a
+distant store costs a few round trips per load, not one per object, and memory
+stays bounded (each thread holds one batch). Per object, whatever the medium:
+a missing one fails its blocks; its header is validated once (sizes, checksum,
+the key it is bound to, the shape this engine expects), then the
+:class:`Placement` decodes and scatters it. What differs between host memory
+and a CUDA device is only the placement (:class:`HostPlacement` here;
+:class:`~vllm_kvcodec.load.cuda_placement.CudaPlacement` stages, copies and
+decodes on a side stream), the way vLLM's offloading code keeps one worker
+contract with a transfer handler per medium.
 
 Each layer belongs to one vLLM KV cache group (``cache_groups[layer]``); an
 object's layers are scattered with their own group's span of the chunk (see
@@ -32,11 +35,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from storage import Store
+from storage import Store, StoreError
+from vllm_kvcodec.errors import ChunkFormatError
 from vllm_kvcodec.format import ChunkHeader, decode_payload, read_header
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PagedLayout
+from vllm_kvcodec.paged.objects import CanonicalObjects, ObjectLayout, object_layout_for
 from vllm_kvcodec.spans import Span
 
 if TYPE_CHECKING:  # imports vLLM; the fetcher itself must not (the GPU check runs without it)
@@ -44,6 +49,8 @@ if TYPE_CHECKING:  # imports vLLM; the fetcher itself must not (the GPU check ru
     from vllm_kvcodec.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")
+#: Raw KV bytes of the objects one store round trip fetches (and one fetch thread holds at once).
+BATCH_BYTES = 8 << 20
 
 
 def _one_torch_thread() -> None:
@@ -52,7 +59,24 @@ def _one_torch_thread() -> None:
 
 
 class LoadError(Exception):
-    """A stored object could not be used; its blocks are recomputed."""
+    """A stored object could not be used; its blocks are recomputed. ``kind`` names why (a metric label)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def failure_kind(exc: BaseException) -> str:
+    """Why an object did not load, as ``vllm:kvcodec_load_failures_total``'s ``kind``: missing, corrupt
+    (header, checksum, key binding or payload), mismatch (another shape or dtype), store (the store failed),
+    timeout (the load was cancelled past its deadline) or other."""
+    if isinstance(exc, LoadError):
+        return exc.kind
+    if isinstance(exc, ChunkFormatError):
+        return "corrupt"
+    if isinstance(exc, StoreError):
+        return "store"
+    return "other"
 
 
 @dataclasses.dataclass
@@ -60,9 +84,10 @@ class Decoded:
     """One object's KV ``[layers, 2, chunk, heads, head]`` and, per KV cache group, the chunk's slots there."""
 
     kv: torch.Tensor
-    slots: list[torch.Tensor]  # one per KV cache group
+    slots: list[torch.Tensor]  # one per KV cache group, where the caches are
     first_tokens: list[int]  # one per KV cache group: where its slots start in the chunk
     on_device: bool = False  # decoded by a device kernel (counted as gpu_decoded_objects)
+    spans: list[Span] = dataclasses.field(default_factory=list)  # the same, as host lists (for page writes)
 
     def part(self, i: int | slice, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i`` (or the layers of a slice) of the object: its group's tokens and their slots."""
@@ -76,6 +101,7 @@ class Placement(abc.ABC):
     def __init__(self, caches: list[torch.Tensor], layouts: list[PagedLayout], cache_groups: list[int] | None = None) -> None:
         self.caches, self.layouts = caches, layouts
         self.cache_groups = cache_groups or [0] * len(caches)  # the vLLM KV cache group of each layer
+        self.objects: ObjectLayout = CanonicalObjects()  # the fetcher sets its namespace's
 
     def new_job(self, group_layers: list[list[int]], objects_per_group: int, req_ids: list[str]) -> LoadJob:
         return LoadJob(group_layers, objects_per_group, req_ids)
@@ -86,7 +112,7 @@ class Placement(abc.ABC):
 
     @abc.abstractmethod
     def scatter(self, layers: range, decoded: Decoded) -> None:
-        """Write each layer's span of the decoded object into its slots."""
+        """Write each layer's span of the decoded object into its group's slots."""
 
     def shutdown(self) -> None:
         """Release streams or staging memory, if any."""
@@ -97,12 +123,13 @@ class HostPlacement(Placement):
 
     def decode(self, blob: bytes, header: ChunkHeader, spans: list[Span]) -> Decoded:
         slots = [torch.tensor(s.slots, dtype=torch.int64) for s in spans]
-        return Decoded(decode_payload(blob, header), slots, [s.first_token for s in spans])
+        return Decoded(decode_payload(blob, header), slots, [s.first_token for s in spans], spans=spans)
 
     def scatter(self, layers: range, decoded: Decoded) -> None:
         for i, layer in enumerate(layers):
-            kv, slots = decoded.part(i, self.cache_groups[layer])
-            self.layouts[layer].scatter(self.caches[layer], slots, kv, check=False)
+            span = decoded.spans[self.cache_groups[layer]]
+            if span.slots:  # a window group may hold none of this chunk's blocks
+                self.objects.write(self.layouts[layer], self.caches[layer], span.slots, decoded.kv[i], span.first_token)
 
 
 class Fetcher:
@@ -122,48 +149,74 @@ class Fetcher:
         self.observe_transfer = observe_transfer  # feeds the link estimate of codec "auto"
         self.groups, self.caches, self.layouts, self.stats = addresses.groups, caches, layouts, stats
         self.placement = placement if placement is not None else HostPlacement(caches, layouts, cache_groups)
+        self.objects = self.placement.objects = object_layout_for(addresses.namespace.layout_id)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-fetch", initializer=_one_torch_thread)
 
     def submit(self, specs: list[LoadSpec], timeout_s: float) -> LoadJob:
         chunks = [(spec, chunk) for spec in specs for chunk in spec.chunks]
         job = self.placement.new_job([list(g) for g in self.groups], len(chunks), [s.req_id for s in specs])
         job.deadline = time.monotonic() + timeout_s
+        job.on_request_loaded = lambda seconds: self.stats.sample(load_s=seconds)
         for g in range(len(self.groups)):
             for i, (spec, chunk) in enumerate(chunks):
                 job.expect(g, i, spec.req_id, chunk.chunk_hash, chunk.block_ids)
-        for g in range(len(self.groups)):
-            for i, (_, chunk) in enumerate(chunks):
-                self._pool.submit(self._load_object, job, g, i, chunk)
+        for g in range(len(self.groups)):  # layer-group order: the first layers' KV arrives first
+            for batch in self._batches(g, [(i, chunk) for i, (_, chunk) in enumerate(chunks)]):
+                self._pool.submit(self._load_batch, job, g, batch)
         return job
 
-    def _load_object(self, job: LoadJob, group: int, index: int, chunk: ChunkLoad) -> None:
-        ok = False
-        try:
-            if not job.cancelled:
-                self._fetch_decode_scatter(job, group, chunk)
-                ok = True
-        except Exception as exc:  # noqa: BLE001 - any failure means "recompute these blocks"
-            self.stats.add(load_failures=1)
-            logger.warning("kvcodec: load of chunk %s group %d failed, recomputing: %s", chunk.chunk_hash[:12], group, exc)
-        finally:
-            job.object_done(group, index, ok)
+    def _batches(self, group: int, objects: list[tuple[int, ChunkLoad]]) -> list[list[tuple[int, ChunkLoad]]]:
+        """A group's objects in batches of at most BATCH_BYTES of raw KV: one store round trip per batch.
 
-    def _fetch_decode_scatter(self, job: LoadJob, group: int, chunk: ChunkLoad) -> None:
-        key = self.addresses.key(chunk.chunk_hash, group)
+        One get per object would pay the store's round trip once per object per
+        thread (96 round trips for a 4k prefix in 6 groups); a whole group in one
+        get would hold a long prefix's group in memory at once.
+        """
+        a = self.layouts[self.groups[group][0]]
+        raw = len(self.groups[group]) * 2 * self.addresses.namespace.chunk_size * a.num_kv_heads * a.head_size * a.dtype.itemsize  # about
+        per = max(1, BATCH_BYTES // max(1, raw))
+        return [objects[i : i + per] for i in range(0, len(objects), per)]
+
+    def _load_batch(self, job: LoadJob, group: int, batch: list[tuple[int, ChunkLoad]]) -> None:
+        keys = [self.addresses.key(chunk.chunk_hash, group) for _, chunk in batch]
+        blobs: list[bytes | None] = [None] * len(batch)
+        error: Exception | None = None
         t0 = time.perf_counter()
-        blob = self.store.get(key)
+        if not job.cancelled:
+            try:
+                blobs = self.store.get_many(keys)
+            except Exception as exc:  # noqa: BLE001 - the whole batch is recomputed
+                error = exc
+        fetch_s = time.perf_counter() - t0
+        if error is None and self.observe_transfer is not None:
+            self.observe_transfer(sum(len(b) for b in blobs if b is not None), fetch_s)
+        self.stats.add(fetch_s=fetch_s, fetch_batches=1)
+        self.stats.sample(fetch_s=fetch_s)
+        for (index, chunk), key, blob in zip(batch, keys, blobs):
+            ok = False
+            try:
+                if error is not None:
+                    raise LoadError(f"store get failed: {error}", "store")
+                if not job.cancelled:
+                    self._decode_scatter(job, group, chunk, key, blob)
+                    ok = True
+            except Exception as exc:  # noqa: BLE001 - any failure means "recompute these blocks"
+                self.stats.add(load_failures=1, **{f"load_failures_{failure_kind(exc)}": 1})
+                logger.warning("kvcodec: load of chunk %s group %d failed, recomputing: %s", chunk.chunk_hash[:12], group, exc)
+            finally:
+                job.object_done(group, index, ok)
+
+    def _decode_scatter(self, job: LoadJob, group: int, chunk: ChunkLoad, key: str, blob: bytes | None) -> None:
         if blob is None:
-            raise LoadError(f"object {key} is missing")
+            raise LoadError(f"object {key} is missing", "missing")
         t1 = time.perf_counter()
-        if self.observe_transfer is not None:
-            self.observe_transfer(len(blob), t1 - t0)
         header = read_header(blob, key=key)  # sizes, checksum and key binding: a swapped object is rejected
         layers = self.groups[group]
         self._check(header, len(layers))
         decoded = self.placement.decode(blob, header, chunk.spans)
         t2 = time.perf_counter()
         if not job.begin_write():
-            raise LoadError("load cancelled (timeout)")
+            raise LoadError("load cancelled (timeout)", "timeout")
         try:
             self.placement.scatter(layers, decoded)
         finally:
@@ -171,17 +224,20 @@ class Fetcher:
         t3 = time.perf_counter()
         self.stats.add(
             loaded_objects=1, loaded_bytes=len(blob), loaded_raw_bytes=header.raw_nbytes,
-            fetch_s=t1 - t0, decode_s=t2 - t1, scatter_s=t3 - t2, **{f"codec_{header.codec_id}_loads": 1},
+            decode_s=t2 - t1, scatter_s=t3 - t2, **{f"codec_{header.codec_id}_loads": 1},
             **({"loaded_tokens": chunk.tokens} if group == 0 else {}),
             **({"gpu_decoded_objects": 1} if decoded.on_device else {}),
         )
+        self.stats.sample(decode_s=t2 - t1, scatter_s=t3 - t2)
 
     def _check(self, header: ChunkHeader, num_layers: int) -> None:
         """The object must hold exactly one layer group of one chunk of this engine's KV, before anything is decoded."""
-        a = self.layouts[self.groups[0][0]]
-        expected = (num_layers, 2, self.addresses.namespace.chunk_size, a.num_kv_heads, a.head_size)
+        first = self.groups[0][0]
+        a = self.layouts[first]
+        expected = self.objects.object_shape(num_layers, a, self.caches[first], self.addresses.namespace.chunk_size)
         if header.shape != expected or header.dtype.torch_dtype != a.dtype:
-            raise LoadError(f"stored object holds {header.shape} {header.dtype.name.lower()}, expected {expected} {a.dtype}")
+            raise LoadError(f"stored object holds {header.shape} {header.dtype.name.lower()}, expected {expected} {a.dtype}",
+                            "mismatch")
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

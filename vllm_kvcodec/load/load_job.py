@@ -9,8 +9,10 @@ late thread can never write into blocks vLLM is already recomputing.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
+from collections.abc import Callable
 
 from vllm_kvcodec.outcomes import LoadOutcome
 
@@ -29,11 +31,16 @@ class LoadJob:
         self._cond = threading.Condition()
         self._writers = 0
         self.cancelled = False
+        self.started = time.monotonic()
+        # Objects still pending per request, and who hears each request's load wall time (the load histogram).
+        self._left: collections.Counter[str] = collections.Counter()
+        self.on_request_loaded: Callable[[float], None] = lambda seconds: None
         if objects_per_group == 0:
             self._finish_all()
 
     def expect(self, group: int, obj: int, req_id: str, chunk_hash: str, block_ids: list[int]) -> None:
         self._pending[(group, obj)] = (req_id, chunk_hash, block_ids)
+        self._left[req_id] += 1
         self._chunks.setdefault(req_id, {}).setdefault(chunk_hash, True)
 
     @property
@@ -63,6 +70,7 @@ class LoadJob:
             req_id, chunk_hash, blocks = self._pending.pop((group, obj), ("", "", []))
             if not ok:
                 self._fail(req_id, chunk_hash, blocks)
+            self._request_object_done(req_id)
             self._remaining[group] -= 1
             if self._remaining[group] == 0:
                 for layer in self.group_layers[group]:
@@ -78,8 +86,17 @@ class LoadJob:
                 self._cond.wait()
             for req_id, chunk_hash, blocks in self._pending.values():
                 self._fail(req_id, chunk_hash, blocks)
+                self._request_object_done(req_id)
             self._pending.clear()
         self._finish_all()
+
+    def _request_object_done(self, req_id: str) -> None:
+        """Count one of the request's objects as settled; the last one reports the request's load time."""
+        if req_id in self._left:
+            self._left[req_id] -= 1
+            if self._left[req_id] <= 0:
+                del self._left[req_id]
+                self.on_request_loaded(time.monotonic() - self.started)
 
     def _fail(self, req_id: str, chunk_hash: str, blocks: list[int]) -> None:
         self.failed_blocks.update(blocks)

@@ -119,6 +119,8 @@ class PagedLayout(abc.ABC):
     canonical: ClassVar[bool] = True
     #: vLLM attention backends (``AttentionBackend.get_name()``) that use this layout
     backends: ClassVar[tuple[str, ...]] = ()
+    #: the axis of the cache tensor that indexes blocks (page copies select along it)
+    block_axis: ClassVar[int] = 0
 
     def __init__(self, geometry: Geometry) -> None:
         self.geometry = geometry
@@ -214,6 +216,52 @@ class PagedLayout(abc.ABC):
             return
         kv = kv.to(layer_cache.device, non_blocking=_host_to_device(kv, layer_cache))
         self._scatter(layer_cache, slots, kv)
+
+    # ---- whole pages, as they lie ---------------------------------------------------
+    def read_pages(self, layer_cache: torch.Tensor, block_ids: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The pages of ``block_ids``, byte for byte as the kernels wrote them: one block copy, no transform.
+
+        Returns (or fills ``out`` with) the cache with its block axis
+        narrowed to ``block_ids``, in their order. Only an engine whose page
+        layout is this one can use the bytes (the key namespace pins it).
+        """
+        self.check_cache(layer_cache)
+        ids, cache = self._block_ids(layer_cache, block_ids), self._elements(layer_cache)
+        if cache.dtype in FLOAT8_DTYPES:  # index kernels take no float8: the same bytes, moved as uint8
+            got = torch.index_select(cache.view(torch.uint8), self.block_axis, ids,
+                                     out=None if out is None else out.view(torch.uint8))
+            return got.view(cache.dtype)
+        return torch.index_select(cache, self.block_axis, ids, out=out)
+
+    def write_pages(self, layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor) -> None:
+        """Write whole pages read by :meth:`read_pages` (of an engine with this layout) into ``block_ids``."""
+        self.check_cache(layer_cache)
+        ids, cache = self._block_ids(layer_cache, block_ids), self._elements(layer_cache)
+        want = list(cache.shape)
+        want[self.block_axis] = ids.numel()
+        if list(pages.shape) != want or pages.dtype != cache.dtype:
+            raise PagedLayoutError(f"pages must be a {tuple(want)} {cache.dtype} tensor, got {tuple(pages.shape)} {pages.dtype}")
+        src = pages.to(cache.device, non_blocking=_host_to_device(pages, cache))
+        if cache.dtype in FLOAT8_DTYPES:
+            cache, src = cache.view(torch.uint8), src.view(torch.uint8)
+        cache.index_copy_(self.block_axis, ids, src)
+
+    def pages_shape(self, layer_cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
+        """The shape :meth:`read_pages` returns for ``num_blocks`` blocks of this cache."""
+        shape = list(layer_cache.shape)
+        shape[self.block_axis] = num_blocks
+        return tuple(shape)
+
+    def _block_ids(self, layer_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """Block ids as int64 on the cache's device, range-checked where they are on the host (no device sync)."""
+        ids = torch.as_tensor(block_ids, dtype=torch.int64)
+        if ids.dim() != 1:
+            raise SlotError(f"block ids must be 1-D, got shape {tuple(ids.shape)}")
+        if ids.device.type == "cpu" and ids.numel():
+            lo, hi, limit = int(ids.min()), int(ids.max()), self.num_blocks(layer_cache)
+            if lo < 0 or hi >= limit:
+                raise SlotError(f"block ids span [{lo}, {hi}] but the cache holds {limit} blocks")
+        return ids.to(layer_cache.device, non_blocking=_host_to_device(ids, layer_cache))
 
     # ---- validation -----------------------------------------------------------------
     def check_cache(self, layer_cache: torch.Tensor) -> None:

@@ -72,6 +72,10 @@ class SplitKVLayout(PagedLayout):
 
     kv_dim: int = 0
 
+    @property
+    def block_axis(self) -> int:  # type: ignore[override]
+        return 1 - self.kv_dim
+
     def num_blocks(self, layer_cache: torch.Tensor) -> int:
         return layer_cache.shape[1 - self.kv_dim]
 

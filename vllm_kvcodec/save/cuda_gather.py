@@ -25,6 +25,7 @@ from vllm_kvcodec.gpu.scatter_triton import check_slots, packed_pages_for
 from vllm_kvcodec.gpu.side_stream import SideStream
 from vllm_kvcodec.outcomes import SaveOutcome
 from vllm_kvcodec.paged import PagedLayout
+from vllm_kvcodec.paged.objects import ObjectLayout, PageObjects
 from vllm_kvcodec.save.gather import SaveGather, SaveSpecLike
 
 logger = logging.getLogger("vllm_kvcodec")
@@ -32,8 +33,8 @@ logger = logging.getLogger("vllm_kvcodec")
 
 class CudaSaveGather(SaveGather):
     def __init__(self, caches: list[torch.Tensor], layouts: list[PagedLayout], saver: Any,
-                 cache_groups: list[int] | None = None) -> None:
-        super().__init__(caches, layouts, saver, cache_groups)
+                 cache_groups: list[int] | None = None, objects: ObjectLayout | None = None) -> None:
+        super().__init__(caches, layouts, saver, cache_groups, objects)
         self.side = SideStream(caches[0].device)
         self.pages = packed_pages_for(caches, layouts)
         self.num_slots = layouts[0].num_slots(caches[0])
@@ -46,14 +47,15 @@ class CudaSaveGather(SaveGather):
         self.side.side_waits_for_compute()
         with self.side.active():
             if index not in self._buffers:
-                shape = (len(self.caches), 2, len(slots), a.num_kv_heads, a.head_size)
-                self._buffers[index] = torch.empty(shape, dtype=a.dtype, device=kv_layer.device)
+                self._buffers[index] = torch.empty(self.chunk_shape(len(slots)), dtype=a.dtype, device=kv_layer.device)
             key = (index, self.cache_groups[layer])
             if key not in self._slots:
                 check_slots(slots, self.num_slots)
                 self._slots[key] = torch.tensor(slots, dtype=torch.int64).to(kv_layer.device, non_blocking=True)
             buf, dev_slots = self._buffers[index], self._slots[key]
-            if self.pages is not None and kv_layer.data_ptr() == self.caches[layer].data_ptr():
+            if isinstance(self.objects, PageObjects):  # whole pages: block copies on the device
+                self.objects.read(a, kv_layer, slots, buf[layer])
+            elif self.pages is not None and kv_layer.data_ptr() == self.caches[layer].data_ptr():
                 self.pages.gather(layer, dev_slots, buf[layer : layer + 1])
             else:
                 a.gather(kv_layer, dev_slots, out=buf[layer], check=False)
@@ -70,7 +72,7 @@ class CudaSaveGather(SaveGather):
     def _to_saver(self, spec: SaveSpecLike, host: torch.Tensor, copied: torch.cuda.Event | None, nbytes: int) -> None:
         try:
             self.side.host_wait(copied)
-            self.saver.submit(spec.chunk_hash, host, spec.req_id, reserved=True)
+            self.saver.submit(spec.chunk_hash, host, spec.req_id, reserved=True, tokens=spec.tokens)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an engine error
             logger.warning("kvcodec: handing chunk %s to the saver failed: %s", spec.chunk_hash[:12], exc)
             self.saver.unreserve(nbytes)

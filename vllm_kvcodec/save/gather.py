@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_kvcodec.paged.objects import CanonicalObjects, ObjectLayout
+
 if TYPE_CHECKING:
     from vllm_kvcodec.paged import PagedLayout
 
@@ -40,9 +42,10 @@ SaveSpecLike = Any
 
 class SaveGather(abc.ABC):
     def __init__(self, caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: Any,
-                 cache_groups: list[int] | None = None) -> None:
+                 cache_groups: list[int] | None = None, objects: ObjectLayout | None = None) -> None:
         self.caches, self.layouts, self.saver = caches, layouts, saver
         self.cache_groups = cache_groups or [0] * len(caches)  # the vLLM KV cache group of each layer
+        self.objects = objects if objects is not None else CanonicalObjects()  # what one stored object holds
         self._step: Sequence[SaveSpecLike] | None = None
         self._admitted: dict[int, int] = {}  # save index -> reserved bytes
         self._layers_done: dict[int, int] = {}
@@ -50,6 +53,10 @@ class SaveGather(abc.ABC):
     def chunk_nbytes(self, tokens: int) -> int:
         a = self.layouts[0]
         return len(self.caches) * 2 * tokens * a.num_kv_heads * a.head_size * a.dtype.itemsize
+
+    def chunk_shape(self, tokens: int) -> tuple[int, ...]:
+        """All layers of one chunk, as the object layout stores them (split into layer groups by the Saver)."""
+        return self.objects.object_shape(len(self.caches), self.layouts[0], self.caches[0], tokens)
 
     # ---- per layer (save_kv_layer) --------------------------------------------------
     def gather_layer(self, layer: int, kv_layer: torch.Tensor, saves: Sequence[SaveSpecLike]) -> None:
@@ -108,35 +115,28 @@ class CpuSaveGather(SaveGather):
     """Gather on the engine's thread with each layer's page layout, into one host buffer per chunk."""
 
     def __init__(self, caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: Any,
-                 cache_groups: list[int] | None = None) -> None:
-        super().__init__(caches, layouts, saver, cache_groups)
+                 cache_groups: list[int] | None = None, objects: ObjectLayout | None = None) -> None:
+        super().__init__(caches, layouts, saver, cache_groups, objects)
         self._buffers: dict[int, torch.Tensor] = {}
-        self._slots: dict[tuple[int, int], torch.Tensor] = {}  # (save index, cache group) -> slots
 
     def _copy(self, index: int, layer: int, kv_layer: torch.Tensor, slots: list[int]) -> None:
         buf = self._buffers.get(index)
         if buf is None:
-            a = self.layouts[0]
-            shape = (len(self.caches), 2, len(slots), a.num_kv_heads, a.head_size)
-            buf = self._buffers[index] = torch.empty(shape, dtype=a.dtype)
-        key = (index, self.cache_groups[layer])
-        if key not in self._slots:
-            self._slots[key] = torch.tensor(slots, dtype=torch.int64)
-        self.layouts[layer].gather(kv_layer, self._slots[key], out=buf[layer], check=False)
+            buf = self._buffers[index] = torch.empty(self.chunk_shape(len(slots)), dtype=self.layouts[0].dtype)
+        self.objects.read(self.layouts[layer], kv_layer, slots, buf[layer])
 
     def _hand_over(self, index: int, spec: SaveSpecLike, nbytes: int) -> None:
-        self.saver.submit(spec.chunk_hash, self._buffers[index], spec.req_id, reserved=True)
+        self.saver.submit(spec.chunk_hash, self._buffers[index], spec.req_id, reserved=True, tokens=spec.tokens)
 
     def _finish_step(self) -> None:
         self._buffers.clear()
-        self._slots.clear()
 
 
 def save_gather_for(caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: Any,
-                    cache_groups: list[int] | None = None) -> SaveGather:
+                    cache_groups: list[int] | None = None, objects: ObjectLayout | None = None) -> SaveGather:
     """The gather for where vLLM keeps the KV caches: a CUDA device, or host memory."""
     if caches[0].is_cuda:
         from vllm_kvcodec.save.cuda_gather import CudaSaveGather
 
-        return CudaSaveGather(caches, layouts, saver, cache_groups)
-    return CpuSaveGather(caches, layouts, saver, cache_groups)
+        return CudaSaveGather(caches, layouts, saver, cache_groups, objects)
+    return CpuSaveGather(caches, layouts, saver, cache_groups, objects)

@@ -70,7 +70,8 @@ class Saver:
         with self._lock:
             self._pending -= nbytes
 
-    def submit(self, chunk_hash: str, kv: torch.Tensor, req_id: str = "", reserved: bool = False) -> bool:
+    def submit(self, chunk_hash: str, kv: torch.Tensor, req_id: str = "", reserved: bool = False,
+               tokens: int | None = None) -> bool:
         """Queue ``kv`` ``[layers, 2, chunk, heads, dim]`` for encoding and storing (its bytes reserved, or not yet)."""
         nbytes = kv.numel() * kv.element_size()
         if self._store_is_down():
@@ -85,7 +86,8 @@ class Saver:
                 return False
             if not reserved:
                 self._pending += nbytes
-            future = self._pool.submit(self._encode_put, chunk_hash, kv, nbytes, req_id)
+            future = self._pool.submit(self._encode_put, chunk_hash, kv, nbytes, req_id,
+                                       kv.shape[2] if tokens is None else tokens)
             self._futures.add(future)
         future.add_done_callback(self._forget)
         return True
@@ -114,7 +116,7 @@ class Saver:
         with self._lock:
             self._futures.discard(future)
 
-    def _encode_put(self, chunk_hash: str, kv: torch.Tensor, nbytes: int, req_id: str) -> None:
+    def _encode_put(self, chunk_hash: str, kv: torch.Tensor, nbytes: int, req_id: str, tokens: int) -> None:
         landed = False
         try:
             t0 = time.perf_counter()
@@ -129,7 +131,7 @@ class Saver:
             t2 = time.perf_counter()
             stored = sum(len(v) for _, v in items)
             self.chooser.observe_transfer(stored, t2 - t1)
-            self.stats.add(saved_chunks=1, saved_objects=len(items), saved_tokens=kv.shape[2],
+            self.stats.add(saved_chunks=1, saved_objects=len(items), saved_tokens=tokens,
                            saved_bytes=stored, saved_raw_bytes=nbytes, encode_s=t1 - t0, put_s=t2 - t1,
                            **{f"codec_{codec.codec_id}_saves": 1})
             landed = True
@@ -159,5 +161,22 @@ class Saver:
                     return False
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        self.flush(timeout)
+        """Store what is queued within ``timeout`` seconds (the connector's ``shutdown_flush_s``), then stop.
+
+        A queued save is a chunk the next engine would otherwise recompute, so
+        shutdown waits for it, but not without bound: vLLM kills the engine at
+        its own shutdown timeout. What is left at the bound is dropped, and
+        said so (how many), rather than lost without a word.
+        """
+        with self._lock:
+            queued = len(self._futures)
+        t0 = time.monotonic()
+        stored_all = self.flush(timeout)
+        with self._lock:
+            left = len(self._futures)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if stored_all:
+            logger.info("kvcodec: shutdown: stored the %d queued chunk save(s) in %.2f s", queued, time.monotonic() - t0)
+        else:
+            logger.warning("kvcodec: shutdown: %d of %d queued chunk save(s) not stored within %.1f s "
+                           "(shutdown_flush_s); dropped, they will be recomputed", left, queued, timeout)

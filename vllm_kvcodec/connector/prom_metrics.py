@@ -1,0 +1,152 @@
+"""The connector's series on vLLM's ``/metrics``, through vLLM's per-connector hook (``build_prom_metrics``).
+
+vLLM builds this object in its front-end process, with its own metric classes
+(multiprocess-aware when it runs several API servers) and its labels
+(``model_name``, ``engine``), and calls :meth:`KVCodecPromMetrics.observe`
+with each step's :class:`~.transfer_stats.KVCodecTransferStats` data, which the
+workers and the scheduler reported. Counters add the step's counts; histograms
+observe its samples (see :mod:`vllm_kvcodec.stats`).
+
+The tables below are the one list of what is exported: docs/operations.md
+describes them and the Grafana dashboard's test checks its queries against
+:func:`exported_names`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from vllm_kvcodec.stats import SAMPLES
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+PREFIX = "vllm:kvcodec_"
+
+
+@dataclasses.dataclass(frozen=True)
+class CounterSpec:
+    """One counter; ``keys`` maps a label value (or ``""`` for none) to the stats key it adds up."""
+
+    name: str
+    doc: str
+    keys: dict[str, str]
+    label: str = ""
+    scale: str = ""  # "chunk": the stats key counts chunks, the counter tokens
+
+
+def _plain(name: str, doc: str, key: str, scale: str = "") -> CounterSpec:
+    return CounterSpec(name, doc, {"": key}, scale=scale)
+
+
+COUNTERS: tuple[CounterSpec, ...] = (
+    _plain("lookups", "Requests whose prefix was looked up in the store.", "lookups"),
+    _plain("lookup_chunks", "Whole chunks of prompt looked up in the store.", "lookup_chunks"),
+    _plain("hit_chunks", "Chunks of the looked-up prefixes found in the store.", "hit_chunks"),
+    _plain("hit_tokens", "Tokens of the looked-up prefixes found in the store (hit chunks x chunk_size).",
+           "hit_chunks", scale="chunk"),
+    _plain("loaded_tokens", "Tokens of KV loaded from the store into paged memory (summed over TP workers).",
+           "loaded_tokens"),
+    _plain("saved_tokens", "Tokens of KV saved to the store (summed over TP workers).", "saved_tokens"),
+    _plain("loaded_objects", "Stored objects (chunk x layer group) loaded.", "loaded_objects"),
+    _plain("saved_chunks", "Chunks saved to the store.", "saved_chunks"),
+    _plain("saved_bytes", "Bytes written to the store (compressed).", "saved_bytes"),
+    _plain("saved_raw_bytes", "Raw KV bytes of the chunks saved (before compression).", "saved_raw_bytes"),
+    _plain("loaded_bytes", "Bytes read from the store (compressed).", "loaded_bytes"),
+    _plain("loaded_raw_bytes", "Raw KV bytes of the objects loaded (after decompression).", "loaded_raw_bytes"),
+    CounterSpec("load_failures", "Stored objects that failed to load (their blocks are recomputed), by kind.",
+                {k: f"load_failures_{k}" for k in ("missing", "corrupt", "mismatch", "store", "timeout", "other")},
+                label="kind"),
+    _plain("load_timeouts", "Loads abandoned at load_timeout_s (their blocks are recomputed).", "load_timeouts"),
+    _plain("failed_load_chunks", "Chunks whose load failed, as the scheduler learnt (not offered again until saved anew).",
+           "failed_load_chunks"),
+    _plain("loads_abandoned", "Loads stopped because their request ended first.", "loads_abandoned"),
+    _plain("lookup_failures", "Lookups the store could not answer (counted as misses).", "lookup_failures"),
+    _plain("save_failures", "Saves whose encode or put failed.", "save_failures"),
+    CounterSpec("saves_dropped", "Chunk saves not done, by reason: queue_full, store_down, after_load_failure and "
+                "incomplete are lost (a later miss); deferred_store_down waits for the store, deduplicated is "
+                "being saved by another request.",
+                {"queue_full": "saves_dropped", "store_down": "saves_dropped_store_down",
+                 "deferred_store_down": "saves_deferred_store_down",
+                 "after_load_failure": "saves_skipped_after_load_failure",
+                 "incomplete": "saves_incomplete", "deduplicated": "saves_deduplicated"},
+                label="reason"),
+    CounterSpec("store_down", "Times the store went down (up -> down transitions), by the side that saw it.",
+                {"scheduler": "store_down_scheduler", "worker": "store_down_worker"}, label="side"),
+    _plain("samples_dropped", "Histogram samples dropped to keep one step's report bounded.", "samples_dropped"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class HistogramSpec:
+    name: str
+    doc: str
+    sample: str
+    buckets: tuple[float, ...]
+
+
+_OBJECT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+HISTOGRAMS: tuple[HistogramSpec, ...] = (
+    HistogramSpec("load_seconds", "Wall time of one request's load, from submit to its last object in place.",
+                  "load_s", (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)),
+    HistogramSpec("fetch_seconds", "Seconds of one store round trip of the load path (one batched get of up to 8 MiB of raw KV).", "fetch_s", _OBJECT_BUCKETS),
+    HistogramSpec("decode_seconds", "Seconds to check and decode one stored object.", "decode_s", _OBJECT_BUCKETS),
+    HistogramSpec("scatter_seconds", "Seconds to write one decoded object into paged memory.", "scatter_s",
+                  _OBJECT_BUCKETS),
+)
+
+
+def exported_names() -> set[str]:
+    """Every series name on /metrics (counters end in _total; histograms in _bucket, _sum and _count)."""
+    names = {f"{PREFIX}{c.name}_total" for c in COUNTERS}
+    for h in HISTOGRAMS:
+        names |= {f"{PREFIX}{h.name}_{part}" for part in ("bucket", "sum", "count")}
+    return names
+
+
+class KVCodecPromMetrics(KVConnectorPromMetrics):
+    """Registers the tables above with vLLM's metric classes and labels; adds each step's data to them."""
+
+    def __init__(self, vllm_config: "VllmConfig", metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.chunk_size = _chunk_size(vllm_config)
+        self._counters: dict[tuple[str, str], dict[int, Any]] = {}  # (spec name, label value) -> engine -> child
+        for spec in COUNTERS:
+            names = labelnames + [spec.label] if spec.label else labelnames
+            metric = self._counter_cls(name=PREFIX + spec.name, documentation=spec.doc, labelnames=names)
+            for value in spec.keys:
+                per_engine = {i: v + [value] if spec.label else v for i, v in per_engine_labelvalues.items()}
+                self._counters[(spec.name, value)] = create_metric_per_engine(metric, per_engine)
+        self._histograms: dict[str, dict[int, Any]] = {}
+        for h in HISTOGRAMS:
+            metric = self._histogram_cls(name=PREFIX + h.name, documentation=h.doc, buckets=list(h.buckets),
+                                         labelnames=labelnames)
+            self._histograms[h.sample] = create_metric_per_engine(metric, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        data = transfer_stats_data or {}
+        for spec in COUNTERS:
+            for value, key in spec.keys.items():
+                amount = data.get(key, 0) * (self.chunk_size if spec.scale == "chunk" else 1)
+                if amount > 0:
+                    self._counters[(spec.name, value)][engine_idx].inc(amount)
+        for sample, values in data.get(SAMPLES, {}).items():
+            histogram = self._histograms.get(sample)
+            if histogram is not None:
+                for v in values:
+                    histogram[engine_idx].observe(v)
+
+
+def _chunk_size(vllm_config: "VllmConfig") -> int:
+    from vllm_kvcodec.connector.config import ConnectorConfig
+
+    transfer = vllm_config.kv_transfer_config
+    return ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config if transfer else None).chunk_size
+
+
+__all__ = ["COUNTERS", "HISTOGRAMS", "KVCodecPromMetrics", "exported_names"]

