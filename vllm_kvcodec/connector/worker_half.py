@@ -100,7 +100,8 @@ class WorkerHalf:
         self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered,
                                               self.config.fetch_threads, self.stats, self.chooser.observe_transfer)
         self.saver = Saver(self.store, addresses, self.chooser, self.config.save_threads,
-                           self.config.max_pending_save_bytes, self.stats, report=self._save_settled)
+                           self.config.max_pending_save_bytes, self.stats, report=self._save_settled,
+                           nice=self.config.save_thread_nice)
         self.save_gather = save_gather_for(caches, ordered, self.saver, self.objects)
         self.chooser.token_axis = self.objects.token_axis
         logger.info("kvcodec: %d KV layers in %d groups, layout %s, store %s, codec %s",
