@@ -38,7 +38,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from vllm_kvcodec.tools.bench.report import console, machine, write_json
+from vllm_kvcodec.tools.bench.report import console, machine, wide_table, write_json
 
 KINDS = ("none", "save", "load")
 PREFIX = "vllm:kvcodec_"
@@ -217,25 +217,22 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _print(result: dict[str, Any]) -> None:
-    from rich import box
-    from rich.table import Table
-
     c = result["client"]
-    t = Table(title=f"vllm bench serve, prefix_repetition: {c['num_prefixes']} prefixes x {c['prefix_len']} tokens, "
-                    f"suffix {c['suffix_len']}, output {c['output_len']}, {c['num_prompts']} prompts at rate "
-                    f"{c['request_rate']}; codec {result['codec']}, store {result['store']}",
-              box=box.SIMPLE_HEAD)
-    for col in ("run", "req/s", "TTFT mean ms", "median ms", "p99 ms", "failed", "CPU-s/request", "saved chunks",
-                "stored objects", "loaded tokens", "load failures"):
-        t.add_column(col, justify="left" if col == "run" else "right")
+    rows = []
     for r in result["runs"]:
         k = r["counters"]
-        t.add_row(f"{r['kind']} #{r['repeat'] + 1}", f"{r['request_throughput']:.2f}", f"{r['mean_ttft_ms']:.0f}",
-                  f"{r['median_ttft_ms']:.0f}", f"{r['p99_ttft_ms']:.0f}", str(r["failed"]),
-                  f"{r['cpu_s_per_request']:.3f}", f"{k.get('saved_chunks', 0):.0f}" if k else "-",
-                  str(r.get("stored_objects", "-")), f"{k.get('loaded_tokens', 0):.0f}" if k else "-",
-                  f"{sum(v for n, v in k.items() if n.startswith('load_failures')):.0f}" if k else "-")
-    console.print(t)
+        rows.append([f"{r['kind']} #{r['repeat'] + 1}", f"{r['request_throughput']:.2f}", f"{r['mean_ttft_ms']:.0f}",
+                     f"{r['median_ttft_ms']:.0f}", f"{r['p99_ttft_ms']:.0f}", str(r["failed"]),
+                     f"{r['cpu_s_per_request']:.3f}", f"{k.get('saved_chunks', 0):.0f}" if k else "-",
+                     str(r.get("stored_objects", "-")), f"{k.get('loaded_tokens', 0):.0f}" if k else "-",
+                     f"{sum(v for n, v in k.items() if n.startswith('load_failures')):.0f}" if k else "-"])
+    wide_table(f"vllm bench serve, prefix_repetition: {c['num_prefixes']} prefixes x {c['prefix_len']} tokens, "
+               f"suffix {c['suffix_len']}, output {c['output_len']}, {c['num_prompts']} prompts at rate "
+               f"{c['request_rate']}; codec {result['codec']}, store {result['store']}",
+               ["run", "req/s", "TTFT ms", "med ms", "p99 ms", "failed", "CPU-s/req", "saved", "objects",
+                "loaded tok", "load fail"], rows)
+    console.print("TTFT: mean; saved: chunks the connector counted saved when the client finished; objects: what "
+                  "the store held after the server stopped (its shutdown flushes queued saves)")
     for kind, s in result["summary"].items():
         vs = f", throughput {s['throughput_vs_none']:.2f}x none" if "throughput_vs_none" in s else ""
         console.print(f"{kind}: mean of {s['runs']}: {s['request_throughput']:.2f} req/s, TTFT mean "
