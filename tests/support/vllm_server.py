@@ -1,28 +1,22 @@
-"""A real ``vllm serve`` (multiprocess engine, SmolLM2 on the CPU) in a subprocess, for the operations tests.
+"""A real ``vllm serve`` (multiprocess engine, SmolLM2 on the CPU) for the operations tests: this checkout's settings.
 
-Started in its own session and stopped by pid: SIGTERM to its leader (as an
-operator or a supervisor would), then SIGKILL to whatever is left of its
-group. Its output goes to a file the test reads.
+The process handling (start, /health, scrape, SIGTERM) is the package's
+:mod:`vllm_kvcodec.tools.server_process`, which ``kvcodec bench serve`` uses too.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import json
+import functools
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 import tomllib
-import urllib.request
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from vllm_kvcodec.tools import server_process
+from vllm_kvcodec.tools.server_process import SERVED_NAME, Server, free_port  # noqa: F401 - the tests' names
+
 ROOT = Path(__file__).resolve().parents[2]
-SERVED_NAME = "m"
+#: The server runs in this checkout (its package first on the path).
+running = functools.partial(server_process.running, cwd=ROOT)
 #: Small and quiet, as in tests/support/engine.py, with vLLM's own logging left at its default (INFO).
 ENGINE_ARGS = ("--dtype", "bfloat16", "--block-size", "128", "--enforce-eager", "--max-model-len", "2048",
                "--max-num-seqs", "2", "--enable-prefix-caching", "--served-model-name", SERVED_NAME)
@@ -37,87 +31,6 @@ def server_env(**extra: str) -> dict[str, str]:
     env.pop("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", None)
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclasses.dataclass
-class Server:
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def complete(self, token_ids: list[int], max_tokens: int = 1) -> dict:
-        """One greedy /v1/completions request on token ids (the prefix is known to the token)."""
-        body = json.dumps({"model": SERVED_NAME, "prompt": token_ids, "max_tokens": max_tokens,
-                           "temperature": 0}).encode()
-        req = urllib.request.Request(self.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            return json.loads(resp.read())
-
-    def metrics(self) -> dict[tuple[str, frozenset], float]:
-        """The /metrics scrape: ``(sample name, labels) -> value``."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
-            text = resp.read().decode()
-        return {(s.name, frozenset(s.labels.items())): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
-
-    def terminate(self, timeout: float = 90.0) -> float:
-        """SIGTERM to the server, as a supervisor stops it; seconds until it exited."""
-        t0 = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout)
-        return time.monotonic() - t0
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
-
-
-@contextlib.contextmanager
-def running(argv: Sequence[str], log_path: Path, env: dict[str, str], start_timeout: float = 300.0) -> Iterator[Server]:
-    """``python <argv> --host 127.0.0.1 --port P``, once /health answers; killed (group) on exit."""
-    port = free_port()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, *argv, "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT,
-                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = Server(proc, port, log_path)
-    try:
-        _wait_healthy(server, start_timeout)
-        yield server
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                server.terminate(30)
-        server.kill()
-
-
-def _wait_healthy(server: Server, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log()[-4000:]}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(server.url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        time.sleep(1)
-    raise RuntimeError(f"server did not answer /health within {timeout:.0f} s:\n{server.log()[-4000:]}")
 
 
 def entry_points_dir(tmp: Path) -> Path:

@@ -33,6 +33,7 @@ class ConnectorConfig(BaseModel):
     load_mode: Literal["sync", "async"] = Field("sync", description="sync: prefill of the suffix waits per layer; async: the request waits aside (WAITING_FOR_REMOTE_KVS) until its prefix is loaded.")
     fetch_threads: int = Field(4, ge=1, le=64, description="Threads that fetch, decode and scatter stored objects.")
     save_threads: int = Field(2, ge=1, le=64, description="Threads that encode and put saved chunks.")
+    save_thread_nice: int = Field(10, ge=0, le=19, description="How much lower than the engine's the save threads' CPU priority is (Linux nice; 0: the same). Encoding then takes the cycles the engine leaves, so a saving instance at saturation keeps its request throughput; saves queue meanwhile, within max_pending_save_bytes.")
     max_pending_save_bytes: int = Field(512 << 20, ge=1 << 20, description="Raw KV bytes of saves gathered out of paged memory and waiting for encoding; a chunk that does not fit is dropped (counted) before it is gathered, never blocking the engine.")
     load_timeout_s: float = Field(30.0, gt=0, description="A load not finished by then is abandoned and its blocks recomputed.")
     store_retry_s: float = Field(5.0, ge=0, description="After the store fails, lookups, loads and saves skip it (misses, recomputes and dropped saves, all counted) for this many seconds before trying it again, so an outage costs one store timeout per interval, not one per request.")

@@ -102,7 +102,8 @@ class WorkerHalf:
                                               self.stats, self.chooser.observe_transfer,
                                               cache_groups=self.layer_cache_groups)
         self.saver = Saver(self.store, addresses, self.chooser, self.config.save_threads,
-                           self.config.max_pending_save_bytes, self.stats, report=self._save_settled)
+                           self.config.max_pending_save_bytes, self.stats, report=self._save_settled,
+                           nice=self.config.save_thread_nice)
         self.save_gather = save_gather_for(caches, ordered, self.saver, self.layer_cache_groups, self.objects)
         self.chooser.token_axis = self.objects.token_axis
         logger.info("kvcodec: %d KV layers in %d groups (%d KV cache groups: %s), layout %s, store %s, codec %s",

@@ -11,7 +11,9 @@ passes on to the scheduler half: a save that did not land is planned again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +32,21 @@ logger = logging.getLogger("vllm_kvcodec")
 DROP_LOG_INTERVAL_S = 10.0
 
 
+def yield_to_engine(nice: int) -> None:
+    """Lower this save thread's CPU priority by ``nice`` (Linux: a thread has its own nice value).
+
+    Encoding is background work with a deadline of "before the chunk is asked
+    for"; the engine's threads computing the next step are on every request's
+    critical path. At saturation they compete for the same cores, and a niced
+    encoder takes only the cycles the engine leaves (saves then queue up to
+    ``max_pending_save_bytes`` and are dropped past it, counted).
+    """
+    if nice > 0 and hasattr(os, "setpriority"):
+        with contextlib.suppress(OSError):  # not permitted or not supported: run at the engine's priority
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+
+
 class Saver:
     def __init__(
         self,
@@ -40,12 +57,14 @@ class Saver:
         max_pending_bytes: int,
         stats: ConnectorStats,
         report: Callable[[SaveOutcome], None] = lambda outcome: None,
+        nice: int = 0,
     ) -> None:
         self.store, self.addresses, self.groups = store, addresses, addresses.groups
         self.chooser, self.stats, self.max_pending = chooser, stats, max_pending_bytes
         self.report = report
         self._dropping_for_outage = False
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-save")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-save", initializer=yield_to_engine,
+                                        initargs=(nice,))
         self._lock = threading.Lock()
         self._pending = 0
         self._futures: set[Future] = set()

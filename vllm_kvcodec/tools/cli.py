@@ -42,6 +42,33 @@ def bench_stores(
     stores.run(output, redis_url=redis_url, mooncake_url=mooncake_url, threads=tuple(threads or stores.THREADS))
 
 
+@bench_app.command("serve")
+def bench_serve(
+    output: Path = typer.Option(RESULTS / "serve.json", help="JSON file to write."),
+    repeats: int = typer.Option(2, min=1, help="Interleaved repeats of the three servers (none, save, load)."),
+    codec: str = typer.Option("rans", help="Codec the saving server uses."),
+    store: Optional[str] = typer.Option(None, help="Store URL (default: a temporary file store; a fresh key prefix per repeat)."),
+    num_prompts: int = typer.Option(48, min=1, help="Requests per run."),
+    prefix_len: int = typer.Option(1500, min=1, help="Tokens of each shared prefix."),
+    suffix_len: int = typer.Option(64, min=1, help="Tokens of each request's own suffix."),
+    num_prefixes: int = typer.Option(4, min=1, help="Distinct shared prefixes."),
+    output_len: int = typer.Option(8, min=1, help="Tokens generated per request."),
+    request_rate: str = typer.Option("inf", help="Requests per second ('inf': all at once, saturation)."),
+) -> None:
+    """vLLM's own client (vllm bench serve, prefix_repetition) against vllm serve without the connector, saving, and loading."""
+    from vllm_kvcodec.errors import ConfigError
+    from vllm_kvcodec.tools.serve import checked_config
+
+    try:  # before any server starts
+        checked_config({"codec": codec, **({"store": store} if store else {})})
+    except ConfigError as exc:
+        fail(exc)
+    from vllm_kvcodec.tools.bench import serve
+
+    serve.run(output, repeats=repeats, codec=codec, store=store, num_prompts=num_prompts, prefix_len=prefix_len,
+              suffix_len=suffix_len, num_prefixes=num_prefixes, output_len=output_len, request_rate=request_rate)
+
+
 @bench_app.command("ttft")
 def bench_ttft(
     output: Path = typer.Option(RESULTS / "ttft.json", help="JSON file to write."),

@@ -42,3 +42,16 @@ def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     for r in rows:
         t.add_row(*[f"{v:.3f}" if isinstance(v, float) and abs(v) < 10 else f"{v:.0f}" if isinstance(v, float) else str(v) for v in r])
     console.print(t)
+
+
+def wide_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    """Figures in columns that a pipe or a log file does not truncate (at least 110 columns wide)."""
+    from rich import box
+
+    t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    for c in columns:
+        t.add_column(c, justify="left" if c == columns[0] else "right", no_wrap=True)
+    for r in rows:
+        t.add_row(*r)
+    # At least 110 columns: a pipe's default 80 would truncate the figures.
+    Console(width=max(console.width, 110), force_terminal=console.is_terminal).print(t)

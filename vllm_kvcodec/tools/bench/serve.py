@@ -1,0 +1,241 @@
+"""``kvcodec bench serve``: vLLM's own load client against real ``vllm serve`` processes, with and without the connector.
+
+What a saving instance costs its own requests, and what a loading one gains,
+can only be told apart from noise at saturation and over repeats (two
+identical no-connector runs at 2 requests/s differed 5x in median TTFT). So
+every repeat runs three servers one after another, in a rotating order (drift
+in the machine's load then falls on each kind alike):
+
+- ``none``: ``vllm serve`` without a connector;
+- ``save``: ``kvcodec serve`` saving into an empty store (a fresh directory or
+  key prefix per repeat);
+- ``load``: a fresh ``kvcodec serve`` on the store the ``save`` server of the
+  same repeat filled (that server was stopped with SIGTERM first, so its
+  queued saves were flushed: ``kvcodec serve`` sets the shutdown bound).
+
+The client is ``vllm bench serve --dataset-name prefix_repetition`` (defaults:
+4 prefixes of 1500 tokens, suffix 64, output 8, 48 prompts, seed 42, all sent
+at once). Per run: TTFT mean / median / p99, request throughput, failed
+requests (vLLM's own figures, from its ``--save-result`` JSON), the server's
+CPU seconds per completed request (its whole process tree), and the
+connector's counters from ``/metrics``; after a ``save`` run, the objects that
+landed in the store are counted. Means over the repeats and the ratios
+against ``none`` are printed and written as JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from vllm_kvcodec.tools.bench.report import console, machine, wide_table, write_json
+
+KINDS = ("none", "save", "load")
+PREFIX = "vllm:kvcodec_"
+
+
+def run(
+    output: Path | None = Path("bench-results/serve.json"),
+    repeats: int = 2,
+    codec: str = "rans",
+    store: str | None = None,
+    num_prompts: int = 48,
+    prefix_len: int = 1500,
+    suffix_len: int = 64,
+    num_prefixes: int = 4,
+    output_len: int = 8,
+    request_rate: str = "inf",
+    seed: int = 42,
+) -> dict[str, Any]:
+    from vllm_kvcodec.tools.smollm2 import model_dir
+
+    started = time.perf_counter()
+    model = str(model_dir())
+    tmp = Path(tempfile.mkdtemp(prefix="kvcodec-serve-"))
+    client = _client_args(model, num_prompts, prefix_len, suffix_len, num_prefixes, output_len, request_rate, seed)
+    runs: list[dict[str, Any]] = []
+    try:
+        for r in range(repeats):
+            url = _store_url(store, tmp, r)
+            order = KINDS if r % 2 == 0 else ("save", "load", "none")  # load right after the save that fills its store
+            for kind in order:
+                console.log(f"[{r + 1}/{repeats}] {kind}: starting a server")
+                result = _one_run(kind, model, url, codec, client, tmp / f"r{r}-{kind}")
+                result["repeat"] = r
+                runs.append(result)
+                console.log(f"[{r + 1}/{repeats}] {kind}: {result['request_throughput']:.2f} req/s, TTFT mean "
+                            f"{result['mean_ttft_ms']:.0f} ms, {result['failed']} failed"
+                            + (f", {result['stored_objects']} objects stored" if kind == "save" else ""))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    summary = _summary(runs)
+    result = {"benchmark": "serve", "machine": machine(), "codec": codec, "store": store or "file (temporary)",
+              "client": {"dataset": "prefix_repetition", "num_prompts": num_prompts, "prefix_len": prefix_len,
+                         "suffix_len": suffix_len, "num_prefixes": num_prefixes, "output_len": output_len,
+                         "request_rate": request_rate, "seed": seed},
+              "repeats": repeats, "runs": runs, "summary": summary, "seconds": time.perf_counter() - started}
+    _print(result)
+    write_json(result, output)
+    return result
+
+
+def _client_args(model: str, num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int,
+                 output_len: int, request_rate: str, seed: int) -> list[str]:
+    from vllm_kvcodec.tools.server_process import SERVED_NAME
+
+    return ["bench", "serve", "--backend", "vllm", "--model", model, "--tokenizer", model,
+            "--served-model-name", SERVED_NAME, "--dataset-name", "prefix_repetition",
+            "--prefix-repetition-prefix-len", str(prefix_len), "--prefix-repetition-suffix-len", str(suffix_len),
+            "--prefix-repetition-num-prefixes", str(num_prefixes), "--prefix-repetition-output-len", str(output_len),
+            "--num-prompts", str(num_prompts), "--request-rate", request_rate, "--seed", str(seed), "--ignore-eos",
+            "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99", "--disable-tqdm"]
+
+
+def _store_url(store: str | None, tmp: Path, repeat: int) -> str:
+    """An empty store per repeat: a new directory, or a new key prefix on ``store``."""
+    if store is None:
+        return f"file://{tmp / f'store-{repeat}'}"
+    from storage.options import split_query, with_query
+
+    base, options = split_query(store)
+    options["prefix"] = f"{options.get('prefix', '')}kvcodec-bench-serve/{uuid.uuid4().hex[:12]}/"
+    return with_query(base, options)
+
+
+def _server_argv(kind: str, model: str, url: str, codec: str) -> list[str]:
+    from vllm_kvcodec.tools.server_process import SERVED_NAME
+    from vllm_kvcodec.tools.serve import plan_serve
+
+    engine = ["--dtype", "bfloat16", "--block-size", "128", "--enforce-eager", "--max-model-len", "2048",
+              "--enable-prefix-caching", "--served-model-name", SERVED_NAME]
+    if kind == "none":
+        return ["-m", "vllm_kvcodec.tools.vllm_cli", "serve", model, *engine]
+    plan = plan_serve(model, {"store": url, "codec": codec, "log_interval_s": 0}, engine, os.environ)
+    return ["-m", "vllm_kvcodec.tools.vllm_cli", *plan.argv]
+
+
+def _server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+                "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+                "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": env.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "20")})
+    return env
+
+
+def _one_run(kind: str, model: str, url: str, codec: str, client: list[str], work: Path) -> dict[str, Any]:
+    from vllm_kvcodec.tools.server_process import running
+
+    work.mkdir(parents=True, exist_ok=True)
+    with running(_server_argv(kind, model, url, codec), work / "server.log", _server_env(), start_timeout=600) as server:
+        cpu0 = _tree_cpu_s(server.proc.pid)
+        figures = _client(server.url, client, work)
+        cpu = _tree_cpu_s(server.proc.pid) - cpu0
+        counters = _counters(server.metrics()) if kind != "none" else {}
+        server.terminate(120)  # SIGTERM: kvcodec serve's shutdown bound lets queued saves land
+    figures.update(kind=kind, server_cpu_s=cpu, cpu_s_per_request=cpu / max(1, figures["completed"]),
+                   counters=counters)
+    if kind == "save":
+        figures["stored_objects"] = _stored_objects(url)
+    return figures
+
+
+def _client(base_url: str, client: list[str], work: Path) -> dict[str, Any]:
+    """One ``vllm bench serve`` run; vLLM's own result JSON, trimmed to the figures compared here."""
+    argv = [sys.executable, "-m", "vllm_kvcodec.tools.vllm_cli", *client, "--base-url", base_url,
+            "--save-result", "--result-dir", str(work), "--result-filename", "client.json"]
+    with open(work / "client.log", "wb") as log:
+        rc = subprocess.run(argv, env=_server_env(), stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+    if rc != 0:
+        raise RuntimeError(f"vllm bench serve exited with {rc}:\n{(work / 'client.log').read_text()[-3000:]}")
+    raw = json.loads((work / "client.json").read_text())
+    keep = ("completed", "failed", "duration", "request_throughput", "output_throughput", "mean_ttft_ms",
+            "median_ttft_ms", "p99_ttft_ms", "mean_e2el_ms", "p99_e2el_ms")
+    return {k: raw.get(k) for k in keep}
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its children (the engine core runs in one)."""
+    import psutil
+
+    total = 0.0
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(pid)
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = p.cpu_times()
+                total += t.user + t.system
+    return total
+
+
+def _counters(scrape: dict[tuple[str, frozenset], float]) -> dict[str, float]:
+    """The connector's counters from a /metrics scrape, summed over engines (and labels, keyed ``name{label}``)."""
+    out: dict[str, float] = {}
+    for (name, labels), value in scrape.items():
+        if not (name.startswith(PREFIX) and name.endswith("_total")):
+            continue
+        short = name[len(PREFIX) : -len("_total")]
+        extra = {k: v for k, v in labels if k not in ("engine", "model_name")}
+        key = short + ("{" + ",".join(f"{k}={v}" for k, v in sorted(extra.items())) + "}" if extra else "")
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def _stored_objects(url: str) -> int:
+    from storage import open_store
+
+    with open_store(url, read_only=True) as store:
+        return sum(1 for _ in store.keys())
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind in KINDS:
+        mine = [r for r in runs if r["kind"] == kind]
+        if not mine:
+            continue
+        out[kind] = {k: statistics.fmean(r[k] for r in mine) for k in
+                     ("request_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "cpu_s_per_request")}
+        out[kind]["failed"] = sum(r["failed"] for r in mine)
+        out[kind]["runs"] = len(mine)
+    if "none" in out:
+        base = out["none"]["request_throughput"]
+        for kind in ("save", "load"):
+            if kind in out:
+                out[kind]["throughput_vs_none"] = out[kind]["request_throughput"] / base
+    return out
+
+
+def _print(result: dict[str, Any]) -> None:
+    c = result["client"]
+    rows = []
+    for r in result["runs"]:
+        k = r["counters"]
+        rows.append([f"{r['kind']} #{r['repeat'] + 1}", f"{r['request_throughput']:.2f}", f"{r['mean_ttft_ms']:.0f}",
+                     f"{r['median_ttft_ms']:.0f}", f"{r['p99_ttft_ms']:.0f}", str(r["failed"]),
+                     f"{r['cpu_s_per_request']:.3f}", f"{k.get('saved_chunks', 0):.0f}" if k else "-",
+                     str(r.get("stored_objects", "-")), f"{k.get('loaded_tokens', 0):.0f}" if k else "-",
+                     f"{sum(v for n, v in k.items() if n.startswith('load_failures')):.0f}" if k else "-"])
+    wide_table(f"vllm bench serve, prefix_repetition: {c['num_prefixes']} prefixes x {c['prefix_len']} tokens, "
+               f"suffix {c['suffix_len']}, output {c['output_len']}, {c['num_prompts']} prompts at rate "
+               f"{c['request_rate']}; codec {result['codec']}, store {result['store']}",
+               ["run", "req/s", "TTFT ms", "med ms", "p99 ms", "failed", "CPU-s/req", "saved", "objects",
+                "loaded tok", "load fail"], rows)
+    console.print("TTFT: mean; saved: chunks the connector counted saved when the client finished; objects: what "
+                  "the store held after the server stopped (its shutdown flushes queued saves)")
+    for kind, s in result["summary"].items():
+        vs = f", throughput {s['throughput_vs_none']:.2f}x none" if "throughput_vs_none" in s else ""
+        console.print(f"{kind}: mean of {s['runs']}: {s['request_throughput']:.2f} req/s, TTFT mean "
+                      f"{s['mean_ttft_ms']:.0f} ms, median {s['median_ttft_ms']:.0f}, p99 {s['p99_ttft_ms']:.0f}, "
+                      f"{s['cpu_s_per_request']:.3f} CPU-s/request, {s['failed']} failed{vs}")
+    console.print(f"[dim]{result['seconds']:.0f} s[/dim]")

@@ -1,0 +1,106 @@
+"""A real ``vllm serve`` in a subprocess: started, waited for, scraped and stopped as a supervisor would.
+
+Started in its own session and stopped by pid: SIGTERM to its leader (as an
+operator or a supervisor would), then SIGKILL to whatever is left of its
+group. Its output goes to a file. Used by ``kvcodec bench serve`` and by the
+operations tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+SERVED_NAME = "m"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def complete(self, token_ids: list[int], max_tokens: int = 1) -> dict:
+        """One greedy /v1/completions request on token ids (the prefix is known to the token)."""
+        body = json.dumps({"model": SERVED_NAME, "prompt": token_ids, "max_tokens": max_tokens,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return json.loads(resp.read())
+
+    def metrics(self) -> dict[tuple[str, frozenset], float]:
+        """The /metrics scrape: ``(sample name, labels) -> value``."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def terminate(self, timeout: float = 90.0) -> float:
+        """SIGTERM to the server, as a supervisor stops it; seconds until it exited."""
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout)
+        return time.monotonic() - t0
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def running(argv: Sequence[str], log_path: Path, env: dict[str, str], start_timeout: float = 300.0,
+            cwd: Path | None = None) -> Iterator[Server]:
+    """``python <argv> --host 127.0.0.1 --port P``, once /health answers; killed (group) on exit."""
+    port = free_port()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, *argv, "--host", "127.0.0.1", "--port", str(port)], cwd=cwd,
+                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(proc, port, log_path)
+    try:
+        _wait_healthy(server, start_timeout)
+        yield server
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.terminate(30)
+        server.kill()
+
+
+def _wait_healthy(server: Server, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log()[-4000:]}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(server.url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        time.sleep(1)
+    raise RuntimeError(f"server did not answer /health within {timeout:.0f} s:\n{server.log()[-4000:]}")
