@@ -65,6 +65,11 @@ def test_bench_ttft_compares_a_load_with_recompute(tmp_path) -> None:
     assert row["codec"] == "rans" and row["full_hit"] and row["loaded_tokens"] == row["expected_tokens"] > 0
     assert row["load_failures"] == 0 and row["ratio"] > 1.4
     assert result["baseline"]["recompute_s"] > 0
+    assert row["first_load_s"] > 0 and row["first_in_process"]
+    # the replay beside vLLM's ExampleConnector: every row really served the prompt's full blocks from a cache
+    replay = {r["name"]: r for r in result["replay"]}
+    assert set(replay) == {"local hit", "ExampleConnector", "rans"}
+    assert all(r["cached_tokens"] == 512 for r in replay.values()), replay
 
 
 def test_unknown_command_fails_cleanly() -> None:

@@ -182,9 +182,11 @@ class Fetcher:
         blobs: list[bytes | None] = [None] * len(batch)
         error: Exception | None = None
         t0 = time.perf_counter()
+        fetched = False
         if not job.cancelled:
             try:
                 blobs = self.store.get_many(keys)
+                fetched = True
             except Exception as exc:  # noqa: BLE001 - the whole batch is recomputed
                 error = exc
         fetch_s = time.perf_counter() - t0
@@ -197,7 +199,9 @@ class Fetcher:
             try:
                 if error is not None:
                     raise LoadError(f"store get failed: {error}", "store")
-                if not job.cancelled:
+                if fetched:
+                    if job.cancelled:  # read, then dropped: the load timed out meanwhile (counted as such)
+                        raise LoadError("load cancelled (timeout)", "timeout")
                     self._decode_scatter(job, group, chunk, key, blob)
                     ok = True
             except Exception as exc:  # noqa: BLE001 - any failure means "recompute these blocks"

@@ -54,6 +54,7 @@ def bench_serve(
     num_prefixes: int = typer.Option(4, min=1, help="Distinct shared prefixes."),
     output_len: int = typer.Option(8, min=1, help="Tokens generated per request."),
     request_rate: str = typer.Option("inf", help="Requests per second ('inf': all at once, saturation)."),
+    save_thread_nice: int = typer.Option(0, min=0, max=19, help="The saving servers' save_thread_nice."),
 ) -> None:
     """vLLM's own client (vllm bench serve, prefix_repetition) against vllm serve without the connector, saving, and loading."""
     from vllm_kvcodec.errors import ConfigError
@@ -66,7 +67,8 @@ def bench_serve(
     from vllm_kvcodec.tools.bench import serve
 
     serve.run(output, repeats=repeats, codec=codec, store=store, num_prompts=num_prompts, prefix_len=prefix_len,
-              suffix_len=suffix_len, num_prefixes=num_prefixes, output_len=output_len, request_rate=request_rate)
+              suffix_len=suffix_len, num_prefixes=num_prefixes, output_len=output_len, request_rate=request_rate,
+              save_thread_nice=save_thread_nice)
 
 
 @bench_app.command("ttft")

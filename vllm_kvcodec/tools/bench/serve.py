@@ -56,6 +56,7 @@ def run(
     output_len: int = 8,
     request_rate: str = "inf",
     seed: int = 42,
+    save_thread_nice: int = 0,
 ) -> dict[str, Any]:
     from vllm_kvcodec.tools.smollm2 import model_dir
 
@@ -70,7 +71,7 @@ def run(
             order = KINDS if r % 2 == 0 else ("save", "load", "none")  # load right after the save that fills its store
             for kind in order:
                 console.log(f"[{r + 1}/{repeats}] {kind}: starting a server")
-                result = _one_run(kind, model, url, codec, client, tmp / f"r{r}-{kind}")
+                result = _one_run(kind, model, url, codec, client, tmp / f"r{r}-{kind}", save_thread_nice)
                 result["repeat"] = r
                 runs.append(result)
                 console.log(f"[{r + 1}/{repeats}] {kind}: {result['request_throughput']:.2f} req/s, TTFT mean "
@@ -79,7 +80,8 @@ def run(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     summary = _summary(runs)
-    result = {"benchmark": "serve", "machine": machine(), "codec": codec, "store": store or "file (temporary)",
+    result = {"benchmark": "serve", "machine": machine(), "codec": codec, "save_thread_nice": save_thread_nice,
+              "store": store or "file (temporary)",
               "client": {"dataset": "prefix_repetition", "num_prompts": num_prompts, "prefix_len": prefix_len,
                          "suffix_len": suffix_len, "num_prefixes": num_prefixes, "output_len": output_len,
                          "request_rate": request_rate, "seed": seed},
@@ -112,7 +114,7 @@ def _store_url(store: str | None, tmp: Path, repeat: int) -> str:
     return with_query(base, options)
 
 
-def _server_argv(kind: str, model: str, url: str, codec: str) -> list[str]:
+def _server_argv(kind: str, model: str, url: str, codec: str, save_thread_nice: int = 0) -> list[str]:
     from vllm_kvcodec.tools.server_process import SERVED_NAME
     from vllm_kvcodec.tools.serve import plan_serve
 
@@ -120,7 +122,8 @@ def _server_argv(kind: str, model: str, url: str, codec: str) -> list[str]:
               "--enable-prefix-caching", "--served-model-name", SERVED_NAME]
     if kind == "none":
         return ["-m", "vllm_kvcodec.tools.vllm_cli", "serve", model, *engine]
-    plan = plan_serve(model, {"store": url, "codec": codec, "log_interval_s": 0}, engine, os.environ)
+    plan = plan_serve(model, {"store": url, "codec": codec, "log_interval_s": 0,
+                                  "save_thread_nice": save_thread_nice}, engine, os.environ)
     return ["-m", "vllm_kvcodec.tools.vllm_cli", *plan.argv]
 
 
@@ -133,11 +136,13 @@ def _server_env() -> dict[str, str]:
     return env
 
 
-def _one_run(kind: str, model: str, url: str, codec: str, client: list[str], work: Path) -> dict[str, Any]:
+def _one_run(kind: str, model: str, url: str, codec: str, client: list[str], work: Path,
+             save_thread_nice: int = 0) -> dict[str, Any]:
     from vllm_kvcodec.tools.server_process import running
 
     work.mkdir(parents=True, exist_ok=True)
-    with running(_server_argv(kind, model, url, codec), work / "server.log", _server_env(), start_timeout=600) as server:
+    argv = _server_argv(kind, model, url, codec, save_thread_nice)
+    with running(argv, work / "server.log", _server_env(), start_timeout=600) as server:
         cpu0 = _tree_cpu_s(server.proc.pid)
         figures = _client(server.url, client, work)
         cpu = _tree_cpu_s(server.proc.pid) - cpu0

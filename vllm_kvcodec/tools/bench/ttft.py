@@ -82,7 +82,7 @@ def run(
     quick: bool = False,
     chunk_size: int = 256,
     store: str | None = None,
-    replay: bool = True,
+    replay: bool = False,
 ) -> dict[str, Any]:
     fresh_numba = _fresh_numba_cache()
     from vllm_kvcodec.tools.demo import BLOCK_SIZE, Engine, engine_env
