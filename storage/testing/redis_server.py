@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from storage.testing.ports import reserved_port
 from storage.testing.processes import OwnedProcess
 
 START_TIMEOUT_S = 10.0
@@ -91,7 +92,7 @@ def start_redis_server(
 
 def _start_once(executable: str, extra_args: Sequence[str], tls_files: dict[str, str] | None) -> RedisServer:
     workdir = tempfile.mkdtemp(prefix="kvcodec-redis-")
-    port = _free_port()
+    port = reserved_port()  # redis-server binds with SO_REUSEADDR
     args = [executable, *_base_args(port, workdir, tls_files), *extra_args]
     log = open(os.path.join(workdir, "redis.log"), "wb")
     with log:
@@ -112,12 +113,6 @@ def _base_args(port: int, workdir: str, tls_files: dict[str, str] | None) -> lis
     tls = ["--tls-cert-file", tls_files["cert"], "--tls-key-file", tls_files["key"]]
     tls += ["--tls-ca-cert-file", tls_files["ca"]]
     return ["--port", "0", "--tls-port", str(port), "--tls-auth-clients", "no", *tls, *common]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_until_listening(server: RedisServer, proc: subprocess.Popen[bytes]) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import subprocess
 import sys
 import time
@@ -333,10 +332,9 @@ def test_timed_out_get_gives_its_memory_back(chunks, tmp_path: Path) -> None:
 
 
 def test_unreachable_store_gives_misses_not_errors(chunks, tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"redis://127.0.0.1:{port}/0?connect_timeout=0.5"
+    from storage.testing.ports import reserved_port
+
+    url = f"redis://127.0.0.1:{reserved_port()}/0?connect_timeout=0.5"  # nobody listens there
     with lmcache_engine(write_config(tmp_path, url)) as eng:  # Redis connects lazily: the backend exists
         key = eng.key(1)
         eng.put([key], [chunks[0]])

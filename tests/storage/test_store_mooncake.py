@@ -196,7 +196,7 @@ def test_an_object_larger_than_the_buffer_is_refused_clearly(mooncake_pool: Moon
 
 
 def test_unreachable_master_fails_fast() -> None:
-    from storage.testing.redis_server import _free_port
+    from storage.testing.ports import reserved_port as _free_port
 
     started = time.monotonic()
     with pytest.raises(StoreUnavailableError, match="unreachable"):
@@ -237,7 +237,7 @@ def test_bad_mooncake_urls_are_rejected_clearly(url: str, message: str) -> None:
 
 
 def test_a_password_in_the_metadata_url_stays_out_of_errors_and_reprs() -> None:
-    from storage.testing.redis_server import _free_port
+    from storage.testing.ports import reserved_port as _free_port
 
     url = f"mooncake://127.0.0.1:{_free_port()}?metadata=redis://:s3cret@127.0.0.1:6379&local_host=127.0.0.1"
     with pytest.raises(StoreUnavailableError) as info:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -17,9 +16,10 @@ from vllm_kvcodec.connector.store_access import open_connector_store
 
 
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody listens on, and no other test run on this machine is handed meanwhile."""
+    from storage.testing.ports import reserved_port
+
+    return reserved_port()
 
 
 def test_down_store_fails_fast_then_recovers_without_a_restart() -> None:

@@ -456,7 +456,7 @@ def test_redis_prefixes_isolate_deployments(redis_url: str) -> None:
 
 @pytest.mark.redis
 def test_redis_unreachable_fails_fast() -> None:
-    from storage.testing.redis_server import _free_port
+    from storage.testing.ports import reserved_port as _free_port
 
     port = _free_port()
     store = open_store(f"redis://127.0.0.1:{port}/0")

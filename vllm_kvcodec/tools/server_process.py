@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,13 +20,9 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from storage.testing.ports import reserved_port as free_port  # noqa: F401 - the name the tests import
+
 SERVED_NAME = "m"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass
@@ -77,20 +72,46 @@ class Server:
 @contextlib.contextmanager
 def running(argv: Sequence[str], log_path: Path, env: dict[str, str], start_timeout: float = 300.0,
             cwd: Path | None = None) -> Iterator[Server]:
-    """``python <argv> --host 127.0.0.1 --port P``, once /health answers; killed (group) on exit."""
+    """``python <argv> --host 127.0.0.1 --port P``, once /health answers; killed (group) on exit.
+
+    Started again on another port (twice at most) when some other process
+    turns out to hold the one picked.
+    """
+    for attempt in range(3):
+        server = _start(argv, log_path, env, cwd)
+        try:
+            _wait_healthy(server, start_timeout)
+            break
+        except PortTakenError:
+            _stop(server)
+            if attempt == 2:
+                raise
+        except BaseException:
+            _stop(server)
+            raise
+    try:
+        yield server
+    finally:
+        _stop(server)
+
+
+class PortTakenError(RuntimeError):
+    pass
+
+
+def _start(argv: Sequence[str], log_path: Path, env: dict[str, str], cwd: Path | None) -> Server:
     port = free_port()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, *argv, "--host", "127.0.0.1", "--port", str(port)], cwd=cwd,
                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = Server(proc, port, log_path)
-    try:
-        _wait_healthy(server, start_timeout)
-        yield server
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                server.terminate(30)
-        server.kill()
+    return Server(proc, port, log_path)
+
+
+def _stop(server: Server) -> None:
+    if server.proc.poll() is None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.terminate(30)
+    server.kill()
 
 
 def _wait_healthy(server: Server, timeout: float) -> None:
@@ -100,7 +121,28 @@ def _wait_healthy(server: Server, timeout: float) -> None:
             raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log()[-4000:]}")
         with contextlib.suppress(OSError):
             with urllib.request.urlopen(server.url + "/health", timeout=5) as resp:
-                if resp.status == 200:
+                if resp.status == 200 and _listens(server.proc.pid, server.port):
                     return
         time.sleep(1)
     raise RuntimeError(f"server did not answer /health within {timeout:.0f} s:\n{server.log()[-4000:]}")
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether ``port`` is held by this server's own process tree, not by some other process that answers /health.
+
+    Raises when another process listens there: our server cannot bind it,
+    and what answers would be someone else's engine.
+    """
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return False
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in p.net_connections(kind="tcp")):
+                return True
+    raise PortTakenError(f"port {port} is answered by a process outside this server's tree (pid {pid})")
