@@ -81,7 +81,7 @@ def failure_kind(exc: BaseException) -> str:
 
 @dataclasses.dataclass
 class Decoded:
-    """One object's KV ``[layers, 2, chunk, heads, head]`` and, per KV cache group, the chunk's slots there."""
+    """One object's KV (the object layout's shape) and, per KV cache group, the chunk's slots there."""
 
     kv: torch.Tensor
     slots: list[torch.Tensor]  # one per KV cache group, where the caches are
@@ -173,7 +173,7 @@ class Fetcher:
         get would hold a long prefix's group in memory at once.
         """
         a = self.layouts[self.groups[group][0]]
-        raw = len(self.groups[group]) * 2 * self.addresses.namespace.chunk_size * a.num_kv_heads * a.head_size * a.dtype.itemsize  # about
+        raw = len(self.groups[group]) * self.addresses.namespace.chunk_size * a.token_nbytes()  # about
         per = max(1, BATCH_BYTES // max(1, raw))
         return [objects[i : i + per] for i in range(0, len(objects), per)]
 

@@ -1,4 +1,4 @@
-"""Page layouts: canonical ``[2, tokens, kv_heads, head_dim]`` KV in and out of vLLM's KV cache.
+"""Page layouts: canonical ``[planes, tokens, kv_heads, head_dim]`` KV in and out of vLLM's KV cache.
 
 The only place in vllm-kvcodec that knows how attention backends lay KV out in
 paged memory. Start with :func:`layout_for` (or :func:`layouts_for` for the
@@ -25,6 +25,7 @@ from vllm_kvcodec.paged.cpu_attn import (
     verify_with_vllm_op,
 )
 from vllm_kvcodec.paged.factory import KNOWN_BACKENDS, layout_for, layouts_for, shared_kv_layers
+from vllm_kvcodec.paged.latent import LatentLayout
 from vllm_kvcodec.paged.packed import (
     FlashInferSplitKVLayout,
     FlashSplitKVLayout,
@@ -41,6 +42,7 @@ __all__ = [
     "FlashInferSplitKVLayout",
     "FlashSplitKVLayout",
     "Geometry",
+    "LatentLayout",
     "LayoutMismatchError",
     "PackedKVLayout",
     "PagedLayout",

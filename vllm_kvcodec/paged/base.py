@@ -4,8 +4,11 @@ A *page layout* is the only object in vllm-kvcodec that knows how an
 attention backend lays K and V out inside vLLM's KV cache blocks. Everything
 else (codecs, chunk format, store, fetcher) sees the canonical layout::
 
-    [2 (K, V), tokens, kv_heads, head_dim]     per layer, in the cache's dtype
+    [planes, tokens, kv_heads, head_dim]       per layer, in the cache's dtype
                                                (the model's, or float8 for fp8 caches)
+
+with ``planes`` 2 (K and V) for attention that keeps K and V per head, and 1
+(one latent per token, ``kv_heads`` 1) for multi-head latent attention.
 
 A layout is bound to one geometry (block size, kv heads, head size, dtype)
 and is stateless otherwise, so one instance serves every layer that shares the
@@ -91,12 +94,15 @@ class Geometry:
     head_size: int
     block_size: int
     dtype: torch.dtype
+    planes: int = 2  # K and V; 1: one latent per token (MLA)
 
     def __post_init__(self) -> None:
         for name in ("num_kv_heads", "head_size", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise PagedLayoutError(f"{name} must be a positive int, got {value!r}")
+        if self.planes not in (1, 2):
+            raise PagedLayoutError(f"planes must be 1 (a latent) or 2 (K and V), got {self.planes!r}")
         if self.dtype not in CANONICAL_DTYPES:
             raise UnknownLayoutError(
                 f"KV cache dtype {self.dtype} is not supported: layouts move bfloat16, float16, "
@@ -106,7 +112,7 @@ class Geometry:
 
 
 class PagedLayout(abc.ABC):
-    """Gather/scatter canonical ``[2, tokens, kv_heads, head_dim]`` KV by slot mapping.
+    """Gather/scatter canonical ``[planes, tokens, kv_heads, head_dim]`` KV by slot mapping.
 
     Subclasses implement :meth:`_gather` and :meth:`_scatter` on validated
     inputs with vectorised torch indexing (no per-token Python loops); they
@@ -147,11 +153,21 @@ class PagedLayout(abc.ABC):
     def dtype(self) -> torch.dtype:
         return self.geometry.dtype
 
+    @property
+    def planes(self) -> int:
+        return self.geometry.planes
+
+    def token_nbytes(self) -> int:
+        """Bytes of one token's canonical KV in one layer."""
+        g = self.geometry
+        return g.planes * g.num_kv_heads * g.head_size * g.dtype.itemsize
+
     def __repr__(self) -> str:
         g = self.geometry
         return (
             f"{type(self).__name__}(layout_id={self.layout_id!r}, block_size={g.block_size}, "
-            f"num_kv_heads={g.num_kv_heads}, head_size={g.head_size}, dtype={g.dtype})"
+            f"num_kv_heads={g.num_kv_heads}, head_size={g.head_size}, dtype={g.dtype}"
+            + (", planes=1)" if g.planes == 1 else ")")
         )
 
     # ---- the two operations ---------------------------------------------------------
@@ -166,7 +182,7 @@ class PagedLayout(abc.ABC):
         """Read the KV of ``slots`` out of one layer's paged memory.
 
         Returns a new (or the given ``out``) contiguous tensor
-        ``[2, len(slots), kv_heads, head_size]`` on the cache's device, in token
+        ``[planes, len(slots), kv_heads, head_size]`` on the cache's device, in token
         order of ``slots``. ``check=False`` skips the slot bounds check (which
         costs a device sync on GPUs).
         """
@@ -174,7 +190,7 @@ class PagedLayout(abc.ABC):
         layer_cache = self._elements(layer_cache)
         slots = self._slots(layer_cache, slots, check=check)
         g = self.geometry
-        shape = (2, slots.numel(), g.num_kv_heads, g.head_size)
+        shape = (g.planes, slots.numel(), g.num_kv_heads, g.head_size)
         if out is None:
             out = torch.empty(shape, dtype=g.dtype, device=layer_cache.device)
         elif (
@@ -194,7 +210,7 @@ class PagedLayout(abc.ABC):
     def scatter(
         self, layer_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, *, check: bool = True
     ) -> None:
-        """Write canonical ``kv`` ``[2, len(slots), kv_heads, head_size]`` into ``slots``, in place.
+        """Write canonical ``kv`` ``[planes, len(slots), kv_heads, head_size]`` into ``slots``, in place.
 
         Only the bytes of the addressed tokens change. ``kv`` must have the
         cache's dtype (no silent casts); it is moved to the cache's device if
@@ -205,7 +221,7 @@ class PagedLayout(abc.ABC):
         layer_cache = self._elements(layer_cache)
         slots = self._slots(layer_cache, slots, check=check)
         g = self.geometry
-        shape = (2, slots.numel(), g.num_kv_heads, g.head_size)
+        shape = (g.planes, slots.numel(), g.num_kv_heads, g.head_size)
         if tuple(kv.shape) != shape:
             raise PagedLayoutError(f"kv must have shape {shape}, got {tuple(kv.shape)}")
         if kv.dtype != g.dtype:

@@ -14,7 +14,10 @@ The attention backend decides the layout, the tensor decides the geometry:
   packed K‖V view of vLLM >= 0.28 (4-D), or the split K/V tensors of older
   vLLM (5-D: ``(2, B, N, H, D)`` for FlashAttention, ``(B, 2, N, H, D)`` for
   FlashInfer).
-- anything else (MLA, fp8 caches of GPU backends, nvfp4 and the other
+- ``CPU_MLA``: the latent cache of multi-head latent attention,
+  ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` (:mod:`.latent`),
+  checked against vLLM's CPU MLA write.
+- anything else (the GPU and AMX MLA backends, fp8 caches of GPU backends, nvfp4 and the other
   quantised caches, padded head sizes, other backends and ISAs):
   :class:`UnknownLayoutError`.
 """
@@ -40,6 +43,7 @@ from vllm_kvcodec.paged.cpu_attn import (
     verify_with_vllm_op,
     vllm_write_op_available,
 )
+from vllm_kvcodec.paged.latent import LATENT_BACKENDS, LatentLayout, latent_geometry, verify_with_cpu_mla_write
 from vllm_kvcodec.paged.packed import (
     PACKED_BACKENDS,
     FlashInferSplitKVLayout,
@@ -54,7 +58,7 @@ _ALIASES = {
     "TRITON": "TRITON_ATTN",
     "FLEX": "FLEX_ATTENTION",
 }
-KNOWN_BACKENDS = ("CPU_ATTN", *PACKED_BACKENDS)
+KNOWN_BACKENDS = ("CPU_ATTN", *PACKED_BACKENDS, *LATENT_BACKENDS)
 _UNQUANTISED_CACHE_DTYPES = frozenset({"auto", "bfloat16", "float16", "half", "float32", "float"})
 #: vLLM's fp8 ``kv_cache_dtype`` names -> the float8 format their uint8 cache holds ("fp8" is E4M3).
 FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -99,16 +103,19 @@ def layout_for(
     dtype = dtype or info.get("dtype")
     head_size = head_size or info.get("head_size")
     num_kv_heads = num_kv_heads or info.get("num_kv_heads")
-    if info.get("head_size_v") not in (None, head_size):
-        raise UnknownLayoutError(
-            f"{backend}: K and V head sizes differ ({head_size} vs {info['head_size_v']}); "
-            "no canonical [2, T, H, D] layout for that"
-        )
 
     if not isinstance(kv_cache, torch.Tensor):
         raise PagedLayoutError(
             f"expected the per-layer KV cache tensor, got {type(kv_cache).__name__}"
             " (a layer without per-layer views, e.g. Mamba state, has no KV to move)"
+        )
+    if backend.endswith("MLA") or backend in LATENT_BACKENDS:
+        return _latent_layout(backend, kv_cache, kv_cache_dtype, dtype, head_size, block_size,
+                              info.get("kv_lora_rank"), verify)
+    if info.get("head_size_v") not in (None, head_size):
+        raise UnknownLayoutError(
+            f"{backend}: K and V head sizes differ ({head_size} vs {info['head_size_v']}); "
+            "no canonical [2, T, H, D] layout for that"
         )
     elements = _element_dtype(backend, kv_cache, kv_cache_dtype, dtype)
     geometry = _geometry(backend, kv_cache, head_size, num_kv_heads, block_size, elements)
@@ -243,6 +250,27 @@ def _fp8_layout(backend: str, kv_cache: torch.Tensor, geometry: Geometry, isa: s
     return layout
 
 
+def _latent_layout(backend: str, kv_cache: torch.Tensor, kv_cache_dtype: Any, dtype: torch.dtype | None,
+                   head_size: int | None, block_size: int | None, kv_lora_rank: int | None,
+                   verify: Verify) -> PagedLayout:
+    """An MLA cache's layout: CPU_MLA's unquantised latent cache, once vLLM's own write put latents where it reads."""
+    if backend not in LATENT_BACKENDS:
+        raise UnknownLayoutError(
+            f"{backend}: the latent pages of this MLA backend are not checked here (covered: "
+            f"{', '.join(LATENT_BACKENDS)}); refusing to guess their layout"
+        )
+    elements = _element_dtype(backend, kv_cache, kv_cache_dtype, dtype)
+    if elements in FLOAT8_DTYPES:
+        raise UnknownLayoutError(f"{backend}: fp8 latent caches are not supported (vLLM's CPU MLA backend has none)")
+    layout = LatentLayout(latent_geometry(backend, kv_cache, head_size, block_size))
+    if verify is True and kv_lora_rank is None:
+        raise UnknownLayoutError(f"{backend}: verify=True needs the layer's kv_lora_rank")
+    if verify is True or (verify == "auto" and kv_lora_rank is not None and kv_cache.device.type == "cpu"):
+        verify_with_cpu_mla_write(layout, int(kv_lora_rank))
+    layout.check_cache(kv_cache)
+    return layout
+
+
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).lower().removeprefix("torch.")
 
@@ -285,7 +313,7 @@ def _resolve_source(source: Any, layer_name: str | None) -> tuple[str, dict[str,
     if hasattr(source, "attn_backend"):  # a vLLM Attention layer
         info = {
             key: getattr(source, key)
-            for key in ("isa", "head_size", "head_size_v", "num_kv_heads", "kv_cache_dtype")
+            for key in ("isa", "head_size", "head_size_v", "num_kv_heads", "kv_cache_dtype", "kv_lora_rank")
             if getattr(source, key, None) is not None
         }
         return _backend_name(source.attn_backend), info

@@ -3,8 +3,9 @@
 Two object layouts, named in the key namespace (``Namespace.layout_id``), so an
 engine only ever finds objects of its own kind:
 
-``canonical-v1``: ``[layers, 2, chunk, kv_heads, head_dim]``
-    The K and V values the model computed, independent of any attention
+``canonical-v1``: ``[layers, planes, chunk, kv_heads, head_dim]``
+    The K and V values the model computed (or its latent: one plane, one
+    head, for multi-head latent attention), independent of any attention
     backend: a chunk saved on an AMX machine loads into a FlashAttention cache.
     Every save and load transforms each page to and from this layout (the page
     layout's gather/scatter). Used when chunks are shared across platforms
@@ -59,14 +60,14 @@ class ObjectLayout(abc.ABC):
 
     @abc.abstractmethod
     def canonical(self, obj: torch.Tensor, layout: PagedLayout) -> torch.Tensor:
-        """An object's KV as ``[layers, 2, tokens, heads, head]`` (for inspection and tests: what it holds)."""
+        """An object's KV as ``[layers, planes, tokens, heads, head]`` (for inspection and tests: what it holds)."""
 
 
 class CanonicalObjects(ObjectLayout):
     namespace_id = CANONICAL_NAMESPACE
 
     def object_shape(self, num_layers: int, layout: PagedLayout, cache: torch.Tensor, tokens: int) -> tuple[int, ...]:
-        return (num_layers, 2, tokens, layout.num_kv_heads, layout.head_size)
+        return (num_layers, layout.planes, tokens, layout.num_kv_heads, layout.head_size)
 
     def read(self, layout: PagedLayout, cache: torch.Tensor, slots: list[int], out: torch.Tensor) -> None:
         layout.gather(cache, torch.tensor(slots, dtype=torch.int64), out=out, check=False)

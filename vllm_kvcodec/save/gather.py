@@ -3,7 +3,7 @@
 ``save_kv_layer`` runs once per layer inside the forward pass, right after the
 layer wrote its KV; waiting for the whole step would mean holding the blocks
 longer or copying twice. So a gather collects each chunk to save layer by
-layer into a chunk buffer ``[layers, 2, chunk, heads, head]`` and, at the end
+layer into a chunk buffer (the object layout's shape) and, at the end
 of the step (``wait_for_save``), hands every complete chunk to the
 :class:`~vllm_kvcodec.save.saver.Saver`, which encodes and stores it in the
 background.
@@ -51,8 +51,7 @@ class SaveGather(abc.ABC):
         self._layers_done: dict[int, int] = {}
 
     def chunk_nbytes(self, tokens: int) -> int:
-        a = self.layouts[0]
-        return len(self.caches) * 2 * tokens * a.num_kv_heads * a.head_size * a.dtype.itemsize
+        return len(self.caches) * tokens * self.layouts[0].token_nbytes()
 
     def chunk_shape(self, tokens: int) -> tuple[int, ...]:
         """All layers of one chunk, as the object layout stores them (split into layer groups by the Saver)."""
