@@ -43,19 +43,42 @@ def example_connector(path: str) -> dict:
             "kv_connector_extra_config": {"shared_storage_path": path}}
 
 
-def test_latent_prefix_loads_bit_exactly_with_the_tokens_of_vllms_own_connector(tmp_path, ids) -> None:
-    model = str(tiny_model("dsv2", tmp_path))
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(tiny_model("dsv2", tmp_path_factory.mktemp("dsv2")))
+
+
+@pytest.fixture(scope="module")
+def replayed(model, ids, tmp_path_factory) -> dict:
+    """vLLM's ExampleConnector: one engine computes and saves P, a fresh one replays it; its latent cache after."""
+    shared = str(tmp_path_factory.mktemp("example"))
+    p = ids[:PROMPT]
+    with engine(example_connector(shared), model=model, **ENGINE) as llm:
+        generate(llm, p)
+    with engine(example_connector(shared), model=model, **ENGINE) as llm:
+        out = generate(llm, p)
+        out["blocks"] = used_blocks(engine_caches(llm))
+    assert out["cached"] == PREFIX, "ExampleConnector replays P's first 512 tokens"
+    return out
+
+
+@pytest.mark.parametrize("codec,objects", [("rans", "auto"), ("zstd", "canonical")], ids=["pages", "canonical"])
+def test_latent_prefix_loads_bit_exactly_into_the_cache_of_vllms_own_connector(model, ids, replayed, tmp_path,
+                                                                                codec, objects) -> None:
+    """Page objects (the default) and canonical ``[layers, 1, tokens, 1, 576]`` objects alike."""
     p = ids[:PROMPT]
     q = ids[:PREFIX] + ids[600:640]  # the same prefix, another suffix
     url = f"file://{tmp_path / 'store'}"
-    with engine(connector_config(url, "rans"), model=model, **ENGINE) as llm:
+    config = connector_config(url, codec, object_layout=objects)
+    with engine(config, model=model, **ENGINE) as llm:
         conn = worker_connector()
         computed = generate(llm, p)
         assert conn.flush(120) and conn.stats()["saved_chunks"] == PREFIX // 256
         assert conn.worker.namespace.attention == "latent,latent"  # no K/V cache ever finds these chunks
         assert conn.worker.layouts[0].layout_id == "mla-latent-v1"
+        assert conn.worker.namespace.layout_id == ("canonical-v1" if objects == "canonical" else "pages-bs16-v1")
 
-    with engine(connector_config(url, "rans"), model=model, **ENGINE) as llm:
+    with engine(config, model=model, **ENGINE) as llm:
         conn = worker_connector()
         loaded = generate(llm, p)
         ours = used_blocks([c.clone() for c in conn.worker.caches])
@@ -67,16 +90,9 @@ def test_latent_prefix_loads_bit_exactly_with_the_tokens_of_vllms_own_connector(
         assert stats.get("loaded_tokens") == 2 * PREFIX and not stats.get("load_failures")
         assert_paged_kv_equals_stored(conn, url)
 
-    shared = str(tmp_path / "example")
-    with engine(example_connector(shared), model=model, **ENGINE) as llm:
-        generate(llm, p)  # computes and saves P
-    with engine(example_connector(shared), model=model, **ENGINE) as llm:
-        replayed = generate(llm, p)
-        theirs = used_blocks(engine_caches(llm))
-    assert replayed["cached"] == PREFIX, "ExampleConnector replays P's first 512 tokens"
     assert loaded["tokens"] == replayed["tokens"] == computed["tokens"]
     blocks = -(-(PROMPT + 11) // 16)  # the prompt and 11 generated tokens hold KV (the 12th is never fed back)
-    for layer, (mine, vllms) in enumerate(zip(ours, theirs)):
+    for layer, (mine, vllms) in enumerate(zip(ours, replayed["blocks"])):
         assert mine.keys() == vllms.keys() and len(mine) == blocks, f"layer {layer}: the same {blocks} blocks written"
         for b in mine:
             assert torch.equal(mine[b], vllms[b]), f"layer {layer}, block {b}: latents differ from ExampleConnector's"
