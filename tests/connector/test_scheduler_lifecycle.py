@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of
+from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of, reload
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -152,12 +152,8 @@ def test_sync_failed_load_is_recomputed_replaced_and_never_a_local_hit(tmp_path,
     assert e.stats()["saves_skipped_after_load_failure"] >= 1
     e.flush()
     # The recompute saved chunks 2 and 9 again: a fresh engine loads all ten, bit-exactly.
-    f = make(tmp_path, store, pipelined=pipelined)
-    f.add("s", longer, max_tokens=1)
-    f.run()
-    assert loaded_tokens(f, "s") == 320 and f.stats().get("load_failures", 0) == 0
+    assert reload(make(tmp_path, store, pipelined=pipelined), longer) == 320
     e.assert_empty()
-    f.assert_empty()
 
 
 def test_saves_planned_before_a_failure_was_known_are_dropped(tmp_path, store) -> None:
@@ -173,12 +169,8 @@ def test_saves_planned_before_a_failure_was_known_are_dropped(tmp_path, store) -
     assert next_step.saves and all(spec.failures_seen == 0 for spec in next_step.saves)
     assert e.stats()["saves_skipped_after_load_failure"] >= len(next_step.saves)
     e.flush()
-    f = make(tmp_path, store)
-    f.add("s", long, max_tokens=1)  # every stored chunk of that prompt is right
-    f.run()
-    assert loaded_tokens(f, "s") == (len(long) - 1) // 32 * 32
+    assert reload(make(tmp_path, store), long) == (len(long) - 1) // 32 * 32  # every stored chunk of it is right
     e.assert_empty()
-    f.assert_empty()
 
 
 @SCHEDULING
@@ -219,11 +211,8 @@ def test_async_failed_load_does_not_loop(tmp_path, store, how, pipelined) -> Non
     assert hook["done"] and len(loads_of(e, ["r"])) == 1, "the failing load was planned again"
     e.flush()
     f = make(tmp_path, store, pipelined=pipelined, load_mode="async")
-    f.add("s", p[:290], max_tokens=1)  # r's recompute replaced the damaged object
-    f.run()
-    assert loaded_tokens(f, "s") == 288
+    assert reload(f, p[:290]) == 288  # r's recompute replaced the damaged object
     e.assert_empty()
-    f.assert_empty()
 
 
 def test_async_failed_later_chunk_keeps_the_good_prefix(tmp_path, store) -> None:

@@ -552,6 +552,18 @@ def loaded_tokens(engine: Engine, req_id: str) -> int:
     return sum(c.tokens for spec in loads_of(engine, [req_id]) for c in spec.chunks)
 
 
+def reload(engine: Engine, tokens: list[int]) -> int:
+    """One request of ``tokens`` in a fresh ``engine`` on the stored chunks, run to its end: the tokens it loaded.
+
+    Its loads must all succeed, and it must end holding nothing (blocks, loads, saves).
+    """
+    engine.add("reload", tokens, max_tokens=1)
+    engine.run()
+    assert engine.stats().get("load_failures", 0) == 0
+    engine.assert_empty()
+    return loaded_tokens(engine, "reload")
+
+
 def _op_writes_fp8() -> bool:
     """Whether this vLLM build's CPU_ATTN op writes fp8 caches (AVX-512 and AMX builds do, AVX2 ones do not)."""
     from vllm_kvcodec.paged.cpu_attn import vllm_write

@@ -140,7 +140,7 @@ class CudaPlacement(Placement):
             self.side.host_wait(copied)  # this I/O thread only: staging reusable, flags readable
             sz.raise_if_invalid(flags_host)
         per_group = list(dev_slots.split([len(span.slots) for span in spans]))
-        return Decoded(kv, per_group, [span.first_token for span in spans], on_device, spans=list(spans))
+        return Decoded(kv, list(spans), on_device, per_group)
 
     def scatter(self, layers: range, decoded: Decoded) -> None:
         groups = {self.cache_groups[layer] for layer in layers}
@@ -152,12 +152,19 @@ class CudaPlacement(Placement):
                         self.objects.write(self.layouts[layer], self.caches[layer], span.slots, decoded.kv[i], span.first_token)
                 return
             if self.pages is not None and len(groups) == 1:
-                kv, slots = decoded.part(slice(None), groups.pop())
+                kv, slots = _part(decoded, slice(None), groups.pop())
                 self.pages.scatter(layers.start, kv, slots)
                 return
             for i, layer in enumerate(layers):
-                kv, slots = decoded.part(i, self.cache_groups[layer])
+                kv, slots = _part(decoded, i, self.cache_groups[layer])
                 self.layouts[layer].scatter(self.caches[layer], slots, kv, check=False)
+
+
+def _part(decoded: Decoded, i: int | slice, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``i`` (or the layers of a slice) of the object: its group's tokens and their slots on the device."""
+    assert decoded.device_slots is not None, "decoded by CudaPlacement"
+    first, slots = decoded.spans[group].first_token, decoded.device_slots[group]
+    return decoded.kv[i, :, first : first + slots.numel()], slots
 
 
 class CudaFetcher(Fetcher):

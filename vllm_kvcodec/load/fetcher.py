@@ -81,18 +81,12 @@ def failure_kind(exc: BaseException) -> str:
 
 @dataclasses.dataclass
 class Decoded:
-    """One object's KV (the object layout's shape) and, per KV cache group, the chunk's slots there."""
+    """One object's KV (the object layout's shape) and, per KV cache group, the chunk's span there."""
 
     kv: torch.Tensor
-    slots: list[torch.Tensor]  # one per KV cache group, where the caches are
-    first_tokens: list[int]  # one per KV cache group: where its slots start in the chunk
+    spans: list[Span]  # one per KV cache group: where its tokens start in the chunk, and their slots
     on_device: bool = False  # decoded by a device kernel (counted as gpu_decoded_objects)
-    spans: list[Span] = dataclasses.field(default_factory=list)  # the same, as host lists (for page writes)
-
-    def part(self, i: int | slice, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i`` (or the layers of a slice) of the object: its group's tokens and their slots."""
-        first, slots = self.first_tokens[group], self.slots[group]
-        return self.kv[i, :, first : first + slots.numel()], slots
+    device_slots: list[torch.Tensor] | None = None  # the spans' slots, already where the caches are (CUDA)
 
 
 class Placement(abc.ABC):
@@ -122,8 +116,7 @@ class HostPlacement(Placement):
     """Caches in host memory: decode on the fetch thread, scatter with each layer's page layout."""
 
     def decode(self, blob: bytes, header: ChunkHeader, spans: list[Span]) -> Decoded:
-        slots = [torch.tensor(s.slots, dtype=torch.int64) for s in spans]
-        return Decoded(decode_payload(blob, header), slots, [s.first_token for s in spans], spans=spans)
+        return Decoded(decode_payload(blob, header), spans)
 
     def scatter(self, layers: range, decoded: Decoded) -> None:
         for i, layer in enumerate(layers):

@@ -69,7 +69,8 @@ def latent_geometry(backend: str, kv_cache: torch.Tensor, head_size: int | None,
                                f"got {tuple(kv_cache.shape)}")
     n, d = kv_cache.shape[-2:]
     if head_size is not None and head_size != d:
-        raise PagedLayoutError(f"{backend}: the cache holds {d} elements per token but the layer's head_size is {head_size}")
+        raise PagedLayoutError(f"{backend}: the cache holds {d} elements per token but the layer's head_size "
+                               f"is {head_size}")
     if block_size is not None and block_size != n:
         raise PagedLayoutError(f"{backend}: cache blocks hold {n} tokens, expected {block_size}")
     return Geometry(num_kv_heads=1, head_size=int(d), block_size=int(n), dtype=kv_cache.dtype, planes=1)
@@ -97,4 +98,5 @@ def verify_with_cpu_mla_write(layout: LatentLayout, kv_lora_rank: int) -> None:
                                   "auto", None)
     got = layout.gather(cache, slots)[0, :, 0]
     if not torch.equal(got.view(torch.uint8), latent.view(torch.uint8)):
-        raise LayoutMismatchError(f"{layout.layout_id}: vLLM's CPU MLA write put latents where the layout does not read them")
+        raise LayoutMismatchError(f"{layout.layout_id}: vLLM's CPU MLA write put latents where the layout "
+                                  "does not read them")
