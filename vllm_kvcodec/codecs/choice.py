@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from vllm_kvcodec.codecs import Codec, get_codec
-from vllm_kvcodec.codecs.policy import AUTO, AUTO_CANDIDATES
+from vllm_kvcodec.codecs.policy import AUTO, AUTO_CANDIDATES, encode_rank
 from vllm_kvcodec.format import decode_chunk, encode_chunk
 
 logger = logging.getLogger("vllm_kvcodec")
@@ -34,9 +34,10 @@ MIN_SAMPLE_BYTES = 64 << 10
 class CodecChooser:
     def __init__(
         self, spec: str | dict[str, Any], candidates: tuple[str | dict[str, Any], ...] = AUTO_CANDIDATES,
-        initial_gbps: float = 10.0, decoders: int = 1,
+        initial_gbps: float = 10.0, decoders: int = 1, behind: Codec | None = None,
     ) -> None:
         self.auto = spec == AUTO
+        self.behind = behind  # faster to encode, for chunks saved while a round of saves waits behind them
         self.decoders = max(1, decoders)  # threads that decode in parallel (at most the cores)
         self._measured = False
         self.fixed: Codec | None = None if self.auto else get_codec(spec)
@@ -70,9 +71,18 @@ class CodecChooser:
             self.profile[codec.codec_id] = {"ratio": raw / len(blob), "decode_Bps": raw / decode_s}
 
     # ---- decision -------------------------------------------------------------------
-    def codec_for(self, sample: torch.Tensor) -> Codec:
-        if self.fixed is not None:
-            return self._for(self.fixed, sample)
+    def codec_for(self, sample: torch.Tensor, behind: bool = False) -> Codec:
+        """The codec to save ``sample``'s chunk with; ``behind``: the saver has a full round queued after it.
+
+        Behind, the cheaper codec replaces only a codec that is slower to encode
+        (a saver configured with raw or splitzip keeps it).
+        """
+        chosen = self.fixed if self.fixed is not None else self._auto_choice(sample)
+        if behind and self.behind is not None and encode_rank(self.behind) < encode_rank(chosen):
+            chosen = self.behind
+        return self._for(chosen, sample)
+
+    def _auto_choice(self, sample: torch.Tensor) -> Codec:
         with self._lock:
             if not self.profile:
                 self._calibrate(sample)
@@ -80,7 +90,7 @@ class CodecChooser:
             if best != self._current:
                 self._log_choice(best)
                 self._current = best
-            return self._for(best, sample)
+            return best
 
     def _for(self, codec: Codec, sample: torch.Tensor) -> Codec:
         return with_token_axis(codec, self.token_axis(sample.dim()))

@@ -64,6 +64,31 @@ def default_codec_for(dtype: DType) -> CodecSpec:
     return DEFAULT_CODEC if get_codec(DEFAULT_CODEC).supports(dtype) else FALLBACK_CODEC
 
 
+#: Encode cost order, from one-core MB/s on real bf16 KV (docs/benchmarks.md): raw 8307, splitzip 1073,
+#: zstd-1 467, zstd-3 230, rans 236, video 13-38. A save that falls behind only ever moves down it.
+_ENCODE_RANK = {"raw": 0, "splitzip": 1, "zstd": 2, "rans": 3, "video": 4}
+
+
+def encode_rank(codec: Codec) -> int:
+    """Where ``codec`` stands in encode cost (zstd above level 1 with rans: about as slow)."""
+    config = codec.get_config()
+    if config["id"] == "zstd" and config.get("level", 1) > 1:
+        return _ENCODE_RANK["rans"]
+    return _ENCODE_RANK.get(config["id"], max(_ENCODE_RANK.values()))
+
+
+def behind_codec_for(spec: CodecSpec | None, dtype: DType) -> Codec | None:
+    """The codec for chunks saved while the saver is behind (``save_codec_when_behind``), if it holds ``dtype``.
+
+    None where none is asked for, or the one named cannot hold ``dtype``
+    (splitzip and float8): those chunks keep the usual codec.
+    """
+    if spec is None:
+        return None
+    codec = lossless_codec(spec)
+    return codec if codec.supports(dtype) else None
+
+
 def auto_candidates(dtype: DType) -> tuple[CodecSpec, ...]:
     """What codec ``auto`` may pick among for ``dtype``: the candidates that hold it (float8: raw, zstd-3)."""
     if dtype.is_float8:

@@ -33,6 +33,7 @@ class ConnectorConfig(BaseModel):
     load_mode: Literal["sync", "async"] = Field("sync", description="sync: prefill of the suffix waits per layer; async: the request waits aside (WAITING_FOR_REMOTE_KVS) until its prefix is loaded.")
     fetch_threads: int = Field(4, ge=1, le=64, description="Threads that fetch, decode and scatter stored objects.")
     save_threads: int = Field(2, ge=1, le=64, description="Threads that encode and put saved chunks.")
+    save_codec_when_behind: str | dict[str, Any] | None = Field("splitzip", description="The codec for chunks saved while a full round of saves (one per save thread) waits behind them: the saver is encoding slower than the engine computes. splitzip encodes about 4.5x faster than rans (1.33x against 1.51x on real KV, lossless both). null: every chunk takes the configured codec. A dtype it cannot hold (fp8 for splitzip) keeps the configured codec.")
     save_thread_nice: int = Field(0, ge=0, le=19, description="How much lower than the engine's the save threads' CPU priority is (Linux nice; 0: the same). Higher: encoding takes only the cycles the engine leaves, for the throughput of a saturated saving instance, and saves land later (a request right after may miss what the one before computed); saves queue meanwhile, within max_pending_save_bytes.")
     max_pending_save_bytes: int = Field(512 << 20, ge=1 << 20, description="Raw KV bytes of saves gathered out of paged memory and waiting for encoding; a chunk that does not fit is dropped (counted) before it is gathered, never blocking the engine.")
     load_timeout_s: float = Field(30.0, gt=0, description="A load not finished by then is abandoned and its blocks recomputed.")
@@ -64,6 +65,13 @@ class ConnectorConfig(BaseModel):
         from vllm_kvcodec.codecs import policy
 
         return policy.check_spec(codec, allow_auto=True)  # ConfigError (a ValueError) names the known codecs
+
+    @field_validator("save_codec_when_behind")
+    @classmethod
+    def _known_behind_codec(cls, codec: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        from vllm_kvcodec.codecs import policy
+
+        return policy.check_spec(codec, allow_auto=False)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":

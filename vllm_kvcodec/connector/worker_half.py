@@ -60,7 +60,8 @@ class WorkerHalf:
         dtype = DType.parse(namespace.dtype)
         self.objects = object_layout_for(namespace.layout_id)  # what one stored object holds: pages or canonical KV
         self.chooser = CodecChooser(_codec_spec(config.codec, dtype), candidates=policy.auto_candidates(dtype),
-                                    decoders=min(config.fetch_threads, os.cpu_count() or 1))
+                                    decoders=min(config.fetch_threads, os.cpu_count() or 1),
+                                    behind=policy.behind_codec_for(config.save_codec_when_behind, dtype))
         self.store = open_connector_store(config)
         self.fetcher: Fetcher | None = None
         self.saver: Saver | None = None

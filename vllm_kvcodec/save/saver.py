@@ -65,8 +65,10 @@ class Saver:
         self._dropping_for_outage = False
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-save", initializer=yield_to_engine,
                                         initargs=(nice,))
+        self.threads = threads
         self._lock = threading.Lock()
         self._pending = 0
+        self._waiting = 0  # submitted chunks no thread has started on
         self._futures: set[Future] = set()
         self._last_drop_log = -DROP_LOG_INTERVAL_S
         self._drops_unlogged = 0
@@ -105,6 +107,7 @@ class Saver:
                 return False
             if not reserved:
                 self._pending += nbytes
+            self._waiting += 1
             future = self._pool.submit(self._encode_put, chunk_hash, kv, nbytes, req_id,
                                        kv.shape[2] if tokens is None else tokens)
             self._futures.add(future)
@@ -135,11 +138,24 @@ class Saver:
         with self._lock:
             self._futures.discard(future)
 
+    def _behind(self) -> bool:
+        """Whether a full round of chunks (one per save thread) waits behind the one this thread starts on.
+
+        Then the saver encodes slower than the engine computes: those chunks
+        take the cheaper codec (``save_codec_when_behind``), so the backlog
+        clears with fewer CPU seconds taken from the engine, at a few percent
+        of ratio, instead of waiting for the budget to drop them.
+        """
+        with self._lock:
+            self._waiting -= 1
+            return self._waiting >= self.threads
+
     def _encode_put(self, chunk_hash: str, kv: torch.Tensor, nbytes: int, req_id: str, tokens: int) -> None:
         landed = False
         try:
             t0 = time.perf_counter()
-            codec = self.chooser.codec_for(kv[: len(self.groups[0])])
+            behind = self._behind()
+            codec = self.chooser.codec_for(kv[: len(self.groups[0])], behind=behind)
             keys = [self.addresses.key(chunk_hash, g) for g in range(len(self.groups))]
             items = [
                 (key, encode_chunk(kv[layers.start : layers.stop], codec, key=key))  # bound to its key
@@ -152,7 +168,8 @@ class Saver:
             self.chooser.observe_transfer(stored, t2 - t1)
             self.stats.add(saved_chunks=1, saved_objects=len(items), saved_tokens=tokens,
                            saved_bytes=stored, saved_raw_bytes=nbytes, encode_s=t1 - t0, put_s=t2 - t1,
-                           **{f"codec_{codec.codec_id}_saves": 1})
+                           **{f"codec_{codec.codec_id}_saves": 1},
+                           **({"saves_behind": 1} if behind else {}))
             landed = True
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an engine error
             self.stats.add(save_failures=1)

@@ -55,20 +55,22 @@ def bench_serve(
     output_len: int = typer.Option(8, min=1, help="Tokens generated per request."),
     request_rate: str = typer.Option("inf", help="Requests per second ('inf': all at once, saturation)."),
     save_thread_nice: int = typer.Option(0, min=0, max=19, help="The saving servers' save_thread_nice."),
+    codec_when_behind: str = typer.Option("splitzip", help="The saving servers' save_codec_when_behind ('none': off)."),
 ) -> None:
     """vLLM's own client (vllm bench serve, prefix_repetition) against vllm serve without the connector, saving, and loading."""
     from vllm_kvcodec.errors import ConfigError
     from vllm_kvcodec.tools.serve import checked_config
 
     try:  # before any server starts
-        checked_config({"codec": codec, **({"store": store} if store else {})})
+        behind = None if codec_when_behind == "none" else codec_when_behind
+        checked_config({"codec": codec, "save_codec_when_behind": behind, **({"store": store} if store else {})})
     except ConfigError as exc:
         fail(exc)
     from vllm_kvcodec.tools.bench import serve
 
     serve.run(output, repeats=repeats, codec=codec, store=store, num_prompts=num_prompts, prefix_len=prefix_len,
               suffix_len=suffix_len, num_prefixes=num_prefixes, output_len=output_len, request_rate=request_rate,
-              save_thread_nice=save_thread_nice)
+              save_thread_nice=save_thread_nice, codec_when_behind=behind)
 
 
 @bench_app.command("ttft")

@@ -57,6 +57,7 @@ def run(
     request_rate: str = "inf",
     seed: int = 42,
     save_thread_nice: int = 0,
+    codec_when_behind: str | None = "splitzip",
 ) -> dict[str, Any]:
     from vllm_kvcodec.tools.smollm2 import model_dir
 
@@ -64,6 +65,7 @@ def run(
     model = str(model_dir())
     tmp = Path(tempfile.mkdtemp(prefix="kvcodec-serve-"))
     client = _client_args(model, num_prompts, prefix_len, suffix_len, num_prefixes, output_len, request_rate, seed)
+    connector = {"codec": codec, "save_thread_nice": save_thread_nice, "save_codec_when_behind": codec_when_behind}
     runs: list[dict[str, Any]] = []
     try:
         for r in range(repeats):
@@ -71,7 +73,7 @@ def run(
             order = KINDS if r % 2 == 0 else ("save", "load", "none")  # load right after the save that fills its store
             for kind in order:
                 console.log(f"[{r + 1}/{repeats}] {kind}: starting a server")
-                result = _one_run(kind, model, url, codec, client, tmp / f"r{r}-{kind}", save_thread_nice)
+                result = _one_run(kind, model, url, connector, client, tmp / f"r{r}-{kind}")
                 result["repeat"] = r
                 runs.append(result)
                 console.log(f"[{r + 1}/{repeats}] {kind}: {result['request_throughput']:.2f} req/s, TTFT mean "
@@ -81,6 +83,7 @@ def run(
         shutil.rmtree(tmp, ignore_errors=True)
     summary = _summary(runs)
     result = {"benchmark": "serve", "machine": machine(), "codec": codec, "save_thread_nice": save_thread_nice,
+              "save_codec_when_behind": codec_when_behind,
               "store": store or "file (temporary)",
               "client": {"dataset": "prefix_repetition", "num_prompts": num_prompts, "prefix_len": prefix_len,
                          "suffix_len": suffix_len, "num_prefixes": num_prefixes, "output_len": output_len,
@@ -114,7 +117,7 @@ def _store_url(store: str | None, tmp: Path, repeat: int) -> str:
     return with_query(base, options)
 
 
-def _server_argv(kind: str, model: str, url: str, codec: str, save_thread_nice: int = 0) -> list[str]:
+def _server_argv(kind: str, model: str, url: str, connector: dict[str, Any]) -> list[str]:
     from vllm_kvcodec.tools.server_process import SERVED_NAME
     from vllm_kvcodec.tools.serve import plan_serve
 
@@ -122,8 +125,7 @@ def _server_argv(kind: str, model: str, url: str, codec: str, save_thread_nice: 
               "--enable-prefix-caching", "--served-model-name", SERVED_NAME]
     if kind == "none":
         return ["-m", "vllm_kvcodec.tools.vllm_cli", "serve", model, *engine]
-    plan = plan_serve(model, {"store": url, "codec": codec, "log_interval_s": 0,
-                                  "save_thread_nice": save_thread_nice}, engine, os.environ)
+    plan = plan_serve(model, {"store": url, "log_interval_s": 0, **connector}, engine, os.environ)
     return ["-m", "vllm_kvcodec.tools.vllm_cli", *plan.argv]
 
 
@@ -136,12 +138,11 @@ def _server_env() -> dict[str, str]:
     return env
 
 
-def _one_run(kind: str, model: str, url: str, codec: str, client: list[str], work: Path,
-             save_thread_nice: int = 0) -> dict[str, Any]:
+def _one_run(kind: str, model: str, url: str, connector: dict[str, Any], client: list[str], work: Path) -> dict[str, Any]:
     from vllm_kvcodec.tools.server_process import running
 
     work.mkdir(parents=True, exist_ok=True)
-    argv = _server_argv(kind, model, url, codec, save_thread_nice)
+    argv = _server_argv(kind, model, url, connector)
     with running(argv, work / "server.log", _server_env(), start_timeout=600) as server:
         cpu0 = _tree_cpu_s(server.proc.pid)
         figures = _client(server.url, client, work)
@@ -228,16 +229,20 @@ def _print(result: dict[str, Any]) -> None:
         k = r["counters"]
         rows.append([f"{r['kind']} #{r['repeat'] + 1}", f"{r['request_throughput']:.2f}", f"{r['mean_ttft_ms']:.0f}",
                      f"{r['median_ttft_ms']:.0f}", f"{r['p99_ttft_ms']:.0f}", str(r["failed"]),
-                     f"{r['cpu_s_per_request']:.3f}", f"{k.get('saved_chunks', 0):.0f}" if k else "-",
+                     f"{r['cpu_s_per_request']:.3f}",
+                     f"{k.get('encode_seconds', 0) / max(1, r['completed']):.3f}" if k else "-",
+                     f"{k.get('saved_chunks', 0):.0f}" if k else "-", f"{k.get('saves_behind', 0):.0f}" if k else "-",
                      str(r.get("stored_objects", "-")), f"{k.get('loaded_tokens', 0):.0f}" if k else "-",
                      f"{sum(v for n, v in k.items() if n.startswith('load_failures')):.0f}" if k else "-"])
     wide_table(f"vllm bench serve, prefix_repetition: {c['num_prefixes']} prefixes x {c['prefix_len']} tokens, "
                f"suffix {c['suffix_len']}, output {c['output_len']}, {c['num_prompts']} prompts at rate "
                f"{c['request_rate']}; codec {result['codec']}, store {result['store']}",
-               ["run", "req/s", "TTFT ms", "med ms", "p99 ms", "failed", "CPU-s/req", "saved", "objects",
-                "loaded tok", "load fail"], rows)
-    console.print("TTFT: mean; saved: chunks the connector counted saved when the client finished; objects: what "
-                  "the store held after the server stopped (its shutdown flushes queued saves)")
+               ["run", "req/s", "TTFT ms", "med ms", "p99 ms", "failed", "CPU-s/req", "enc s/req", "saved", "behind",
+                "objects", "loaded tok", "load fail"], rows)
+    console.print("TTFT: mean; enc s/req: the save threads' encode seconds per request; saved: chunks the connector "
+                  "counted saved when the client finished, behind: of them, encoded while a round of saves waited "
+                  f"(with {result['save_codec_when_behind'] or 'the same codec'}); objects: what the store held after "
+                  "the server stopped (its shutdown flushes queued saves)")
     for kind, s in result["summary"].items():
         vs = f", throughput {s['throughput_vs_none']:.2f}x none" if "throughput_vs_none" in s else ""
         console.print(f"{kind}: mean of {s['runs']}: {s['request_throughput']:.2f} req/s, TTFT mean "

@@ -147,7 +147,8 @@ def run(
                 store_key = f"{name}@{g:g}" if codec == "auto" else name
                 url = _plan_url(store, tmp, store_key, g, rtt_ms)
                 status.update(f"{where}: starting an engine")
-                engine = Engine(url, codec, max_model_len=max_len, chunk_size=chunk_size)
+                # every chunk in the row's codec: no cheaper codec for a saver that falls behind
+                engine = Engine(url, codec, max_model_len=max_len, chunk_size=chunk_size, save_codec_when_behind=None)
                 if store_key not in populated:
                     status.update(f"{where}: computing and saving the prefix")
                     t0 = time.perf_counter()
