@@ -8,8 +8,12 @@ does. Each candidate's ratio and steady-state decode speed (after one untimed
 warm-up decode, best of three) are measured once on this machine on the first
 real chunk saved; the link bandwidth starts from the first transfer this
 process makes, then follows a moving average of its own store transfers
-(objects of at least 64 KiB, so latency does not pose as bandwidth). Every
-change of choice is logged with the figures behind it.
+(objects of at least 64 KiB), each less the store's round trip (measured by
+:meth:`CodecChooser.observe_round_trip`, the worker's empty lookups at
+start-up): with 10 ms of latency a 3.9 MB put took 13 ms, which read as 2.4
+Gbit/s on a 10 Gbit/s link and made ``auto`` pick a dense codec that cost
+11% of TTFT against raw. Every change of choice is logged with the figures
+behind it.
 """
 
 from __future__ import annotations
@@ -46,15 +50,22 @@ class CodecChooser:
         self._bandwidth = initial_gbps * 1e9 / 8  # bytes/s until measured
         self._lock = threading.Lock()
         self._current: Codec | None = None
+        self._round_trip = 0.0  # seconds of a transfer of no bytes: latency, not bandwidth
         # Which axis of a stored object a per-channel codec reads as tokens (the object layout's say).
         self.token_axis: Callable[[int], int | None] = lambda ndim: None
 
     # ---- observations ---------------------------------------------------------------
+    def observe_round_trip(self, seconds: float) -> None:
+        """A store call that moved no bytes: the latency every later transfer sample is net of (the least seen)."""
+        if seconds > 0:
+            with self._lock:
+                self._round_trip = seconds if not self._round_trip else min(self._round_trip, seconds)
+
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         if nbytes < MIN_SAMPLE_BYTES or seconds <= 0:
             return
         with self._lock:
-            sample = nbytes / seconds
+            sample = nbytes / max(seconds - self._round_trip, 0.1 * seconds)
             self._bandwidth = 0.8 * self._bandwidth + 0.2 * sample if self._measured else sample
             self._measured = True
 

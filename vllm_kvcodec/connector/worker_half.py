@@ -107,10 +107,23 @@ class WorkerHalf:
                            nice=self.config.save_thread_nice)
         self.save_gather = save_gather_for(caches, ordered, self.saver, self.layer_cache_groups, self.objects)
         self.chooser.token_axis = self.objects.token_axis
+        if self.chooser.auto:
+            self._probe_round_trip(addresses)
         logger.info("kvcodec: %d KV layers in %d groups (%d KV cache groups: %s), layout %s, store %s, codec %s",
                     len(names), len(self.groups), len(self.cache_groups.groups),
                     ", ".join(g.label for g in self.cache_groups.groups), ordered[0].layout_id,
                     redact_url(self.config.store), self.chooser.fixed or "auto")
+
+    def _probe_round_trip(self, addresses: ObjectAddresses, probes: int = 3) -> None:
+        """The store's latency (empty lookups), which codec ``auto`` must not read as bandwidth."""
+        key = addresses.key("0" * 32, 0)  # a key of the namespace's shape that no chunk has
+        for _ in range(probes):
+            t0 = time.perf_counter()
+            try:
+                self.store.exists_many([key])
+            except Exception:  # noqa: BLE001 - a store not up yet: no latency figure, auto starts without it
+                return
+            self.chooser.observe_round_trip(time.perf_counter() - t0)
 
     def _check_layouts(self, names: list[str], layouts: dict[str, Any]) -> None:
         """Every layer in the namespace's dtype and one geometry (and canonical, for canonical objects): what one stored object can hold."""
