@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -22,6 +23,9 @@ ENGINE_ARGS = ("--dtype", "bfloat16", "--block-size", "128", "--enforce-eager", 
                "--max-num-seqs", "2", "--enable-prefix-caching", "--served-model-name", SERVED_NAME)
 
 
+SHARED_PROMETHEUS_DIR = tempfile.mkdtemp(prefix="kvcodec-test-prometheus-")
+
+
 def server_env(**extra: str) -> dict[str, str]:
     """The test process's environment for a server: this checkout first on the path, vLLM's default logging."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LOGGING")}
@@ -29,6 +33,8 @@ def server_env(**extra: str) -> dict[str, str]:
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": str(ROOT)})
     env.pop("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", None)
+    # as the test process itself has it once vLLM's serve code ran in it: shared by every server that inherits it
+    env["PROMETHEUS_MULTIPROC_DIR"] = SHARED_PROMETHEUS_DIR
     env.update(extra)
     return env
 

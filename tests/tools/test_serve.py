@@ -76,7 +76,7 @@ def test_plain_vllm_serve_finds_the_connector_by_name_and_exports_its_metrics(fi
         metrics = server.metrics()
         log = server.log()
     answered = metrics.get(("http_request_size_bytes_count", frozenset({("handler", "/v1/completions")})))
-    assert answered == 2, f"the server answered {answered} completions, not this test's 2 (another client?)"
+    assert answered == 2, f"the server answered {answered} completions, not this test's 2 (metrics of other servers?)"
     check_metrics(metrics)
     check_log_lines(log)
 

@@ -100,6 +100,10 @@ class PortTakenError(RuntimeError):
 
 
 def _start(argv: Sequence[str], log_path: Path, env: dict[str, str], cwd: Path | None) -> Server:
+    # A PROMETHEUS_MULTIPROC_DIR inherited from the caller (vLLM sets one in any process that ran its serve
+    # code) is shared by every server started with it, and by in-process engines: each /metrics then sums
+    # them all (a test's server reported 57 completions for its 2; CI, 39). Unset, each server makes its own.
+    env = {k: v for k, v in env.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     port = free_port()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, *argv, "--host", "127.0.0.1", "--port", str(port)], cwd=cwd,
