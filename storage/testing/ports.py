@@ -9,10 +9,11 @@ def reserved_port() -> int:
     """A port that no other ``bind(("", 0))`` on this host is handed for about a minute.
 
     A port that was merely bound and closed can be handed to the next process
-    that asks the kernel for one (another test run on a shared CI machine did
-    get ours, and its client's requests reached our server). This one is left
-    in TIME_WAIT by a connection closed from its side: other pickers skip it,
-    while a server that binds with SO_REUSEADDR (vllm serve, redis-server) can take it.
+    that asks the kernel for one, before the server it was picked for binds it.
+    This one is left in TIME_WAIT by a connection closed from its side: other
+    pickers skip it, while a server that binds with SO_REUSEADDR (vllm serve,
+    redis-server) can take it. (A CI failure once blamed on such a race was
+    vLLM's shared PROMETHEUS_MULTIPROC_DIR; see server_process._start.)
     """
     with socket.socket() as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
