@@ -276,6 +276,29 @@ def test_abort_during_an_async_load_frees_blocks_only_after_it_stops(tmp_path) -
     e.assert_empty()
 
 
+def test_an_idle_step_waits_for_its_async_load_instead_of_spinning(tmp_path, store, monkeypatch) -> None:
+    """While a request only waits for its remote KV, vLLM steps again at once with nothing scheduled.
+
+    Those plans say so (``idle``), and in them the worker waits for the load
+    it started, GIL released, rather than return to a loop that spins against
+    the fetch threads (a 4k-token async load took 13-19 s that way on 2 cores).
+    """
+    from vllm_kvcodec.connector import worker_half
+
+    monkeypatch.setattr(worker_half, "IDLE_POLL_S", 60.0)  # the load surely ends within it: no timing in the test
+    p = prompt(300)
+    stored(tmp_path, store, p)
+    e = make(tmp_path, store, load_mode="async")
+    e.add("r", p[:290], max_tokens=3)
+    first = e.step()
+    assert first.idle and loads_of(e, ["r"]) and first.finished_recving == {"r"}, "started and awaited in one step"
+    e.run()
+    assert loaded_tokens(e, "r") == 288
+    assert [s.idle for s in e.steps] == [not s.scheduled for s in e.steps]
+    assert e.steps[1].scheduled == {"r": 2}, "the next step computes the suffix"
+    e.assert_empty()
+
+
 def test_abort_after_a_load(tmp_path, store) -> None:
     p = prompt(300)
     stored(tmp_path, store, p)

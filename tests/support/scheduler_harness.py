@@ -147,6 +147,7 @@ class StepRecord:
     invalid_blocks: set[int]
     finished_recving: set[str]
     report: Any
+    idle: bool  # the plan said nothing was scheduled (the worker may wait for async loads)
 
 
 class Engine:
@@ -346,7 +347,7 @@ class Engine:
             kv_connector_stats=stats, kv_connector_worker_meta=report,
         )
         record = StepRecord(len(self.steps), dict(out.num_scheduled_tokens), computed, list(meta.loads),
-                            list(meta.saves), set(invalid), set(results.finished_recving or ()), report)
+                            list(meta.saves), set(invalid), set(results.finished_recving or ()), report, meta.idle)
         self.steps.append(record)
         if not out.num_scheduled_tokens:
             time.sleep(IDLE_STEP_S)  # a real step takes time: let background loads run, as they would

@@ -108,7 +108,9 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
         return self._w.get_finished(finished_req_ids)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self._w.get_transfer_results(finished_req_ids)  # failed_recving: models with several KV cache groups
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(meta, KVCodecMetadata) and meta.idle
+        return self._w.get_transfer_results(finished_req_ids, idle)  # failed_recving: several KV cache groups
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w.get_block_ids_with_load_errors()

@@ -209,7 +209,7 @@ class SchedulerHalf:
 
     # ---- per step -------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVCodecMetadata:
-        meta = KVCodecMetadata(loads=self._pending_loads)
+        meta = KVCodecMetadata(loads=self._pending_loads, idle=not scheduler_output.total_num_scheduled_tokens)
         self._pending_loads = []
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             if (tracked := self._requests.get(req_id)) is not None:

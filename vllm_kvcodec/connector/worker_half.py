@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = logging.getLogger("vllm_kvcodec")
+#: How long an idle step waits for an async load: a request arriving meanwhile is scheduled that much later.
+IDLE_POLL_S = 0.01
 
 
 class WorkerHalf:
@@ -223,12 +225,24 @@ class WorkerHalf:
             self._load_failures.pop(req_id, None)
         return None, done or None
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Finished async loads, and (several KV cache groups) which of them failed: vLLM recomputes those requests."""
+    def get_transfer_results(self, finished_req_ids: set[str], idle: bool = False) -> KVConnectorTransferResults:
+        """Finished async loads, and (several KV cache groups) which of them failed: vLLM recomputes those requests.
+
+        In a step with nothing scheduled (``idle``) this waits up to
+        ``IDLE_POLL_S`` for a pending load to finish, GIL released, instead of
+        letting vLLM's loop spin against the fetch threads.
+        """
+        if idle:
+            self._await_any_async_load(IDLE_POLL_S)
         _, done = self.get_finished(finished_req_ids)
         done = done or set()
         failed, self._failed_recving = self._failed_recving & done, self._failed_recving - done
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def _await_any_async_load(self, timeout_s: float) -> None:
+        jobs = list(self._async_jobs.values())
+        if jobs and not any(job.done.is_set() for job in jobs):
+            jobs[0].done.wait(timeout_s)  # the oldest: the fetch pool serves loads in submission order
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_sync_load()
