@@ -71,3 +71,39 @@ def test_object_layout_follows_the_config() -> None:
     assert isinstance(object_layout_for("canonical-v1"), CanonicalObjects)
     with pytest.raises(ValueError):
         object_layout_for("pages-v2")
+
+
+@pytest.mark.parametrize("objects", [PageObjects(BS), CanonicalObjects()], ids=["pages", "canonical"])
+@pytest.mark.parametrize("cls", [CpuAttnVecLayout, CpuAttnAmxLayout])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_placement_writes_every_layer_where_a_per_layer_write_would(objects, cls, dtype) -> None:
+    """The fetcher's write of a whole object (each group's span checked once) is byte for byte the per-layer write.
+
+    Four layers in three KV cache groups: a full span, a span that starts one
+    block into the chunk (a window, or a local hit), and an empty span.
+    """
+    from vllm_kvcodec.load.fetcher import Decoded, HostPlacement
+    from vllm_kvcodec.spans import Span
+
+    gen = torch.Generator().manual_seed(3)
+    layout = cls(Geometry(H, D, BS, dtype))
+    groups, blocks = [0, 1, 0, 2], [[5, 1, 8], [10, 3], []]
+    spans = [Span(BS * (3 - len(b)), [x * BS + t for x in b for t in range(BS)]) for b in blocks]
+    caches = [torch_random_bits((NB, H, BS, 2 * D), dtype, gen) for _ in groups]
+    source = torch_random_bits((NB, H, BS, 2 * D), dtype, gen)
+    obj = torch.empty(objects.object_shape(len(groups), layout, source, 3 * BS), dtype=dtype)
+    for i in range(len(groups)):
+        objects.read(layout, source, [x * BS + t for x in (2, 6, 9) for t in range(BS)], obj[i])
+    want = [c.clone() for c in caches]
+    for i, g in enumerate(groups):
+        if spans[g].slots:
+            objects.write(layout, want[i], spans[g].slots, obj[i], spans[g].first_token)
+    placement = HostPlacement(caches, [layout] * len(groups), groups)
+    placement.objects = objects
+    placement.write_layers(range(len(groups)), Decoded(obj, spans))
+    for got, expected in zip(caches, want):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    assert not torch.equal(caches[0].view(torch.uint8), want[3].view(torch.uint8))  # the writes did land
+    spans[0] = Span(0, [x * BS + t for x in (5, 1, NB) for t in range(BS)])  # past the cache: refused, not written
+    with pytest.raises(SlotError if isinstance(objects, PageObjects) else IndexError):
+        placement.write_layers(range(len(groups)), Decoded(obj, spans))

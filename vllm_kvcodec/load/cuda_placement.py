@@ -146,10 +146,7 @@ class CudaPlacement(Placement):
         groups = {self.cache_groups[layer] for layer in layers}
         with self.side.active():
             if isinstance(self.objects, PageObjects):  # whole pages: block copies on the device
-                for i, layer in enumerate(layers):
-                    span = decoded.spans[self.cache_groups[layer]]
-                    if span.slots:
-                        self.objects.write(self.layouts[layer], self.caches[layer], span.slots, decoded.kv[i], span.first_token)
+                self.write_layers(layers, decoded)
                 return
             if self.pages is not None and len(groups) == 1:
                 kv, slots = _part(decoded, slice(None), groups.pop())

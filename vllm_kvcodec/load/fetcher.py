@@ -41,7 +41,7 @@ from vllm_kvcodec.format import ChunkHeader, decode_payload, read_header
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PagedLayout
-from vllm_kvcodec.paged.objects import CanonicalObjects, ObjectLayout, object_layout_for
+from vllm_kvcodec.paged.objects import CanonicalObjects, ObjectLayout, Target, object_layout_for
 from vllm_kvcodec.spans import Span
 
 if TYPE_CHECKING:  # imports vLLM; the fetcher itself must not (the GPU check runs without it)
@@ -111,6 +111,17 @@ class Placement(abc.ABC):
     def shutdown(self) -> None:
         """Release streams or staging memory, if any."""
 
+    def write_layers(self, layers: range, decoded: Decoded) -> None:
+        """Each layer's part of ``decoded`` through the object layout, its group's span checked once per object."""
+        targets: dict[int, Target | None] = {}
+        for part, layer in zip(decoded.kv.unbind(0), layers):
+            group = self.cache_groups[layer]
+            if group not in targets:
+                span = decoded.spans[group]  # a window group may hold none of this chunk's blocks
+                targets[group] = self.objects.target(self.layouts[layer], span.slots, span.first_token) if span.slots else None
+            if (target := targets[group]) is not None:
+                self.objects.write_to(self.layouts[layer], self.caches[layer], target, part)
+
 
 class HostPlacement(Placement):
     """Caches in host memory: decode on the fetch thread, scatter with each layer's page layout."""
@@ -119,10 +130,7 @@ class HostPlacement(Placement):
         return Decoded(decode_payload(blob, header), spans)
 
     def scatter(self, layers: range, decoded: Decoded) -> None:
-        for i, layer in enumerate(layers):
-            span = decoded.spans[self.cache_groups[layer]]
-            if span.slots:  # a window group may hold none of this chunk's blocks
-                self.objects.write(self.layouts[layer], self.caches[layer], span.slots, decoded.kv[i], span.first_token)
+        self.write_layers(layers, decoded)
 
 
 class Fetcher:

@@ -249,15 +249,22 @@ class PagedLayout(abc.ABC):
             return got.view(cache.dtype)
         return torch.index_select(cache, self.block_axis, ids, out=out)
 
-    def write_pages(self, layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor) -> None:
-        """Write whole pages read by :meth:`read_pages` (of an engine with this layout) into ``block_ids``."""
+    def write_pages(self, layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor,
+                    bounds: tuple[int, int] | None = None) -> None:
+        """Write whole pages read by :meth:`read_pages` (of an engine with this layout) into ``block_ids``.
+
+        ``bounds``: ``(min, max)`` of host ``block_ids``, known to the caller
+        that writes the same blocks of many layers; a load is then one kernel
+        call per layer (each torch call hands the GIL over, and a loaded
+        prefix is hundreds of small writes racing the engine's thread for it).
+        """
         self.check_cache(layer_cache)
-        ids, cache = self._block_ids(layer_cache, block_ids), self._elements(layer_cache)
+        ids, cache = self._block_ids(layer_cache, block_ids, bounds), self._elements(layer_cache)
         want = list(cache.shape)
         want[self.block_axis] = ids.numel()
         if list(pages.shape) != want or pages.dtype != cache.dtype:
             raise PagedLayoutError(f"pages must be a {tuple(want)} {cache.dtype} tensor, got {tuple(pages.shape)} {pages.dtype}")
-        src = pages.to(cache.device, non_blocking=_host_to_device(pages, cache))
+        src = pages if pages.device == cache.device else pages.to(cache.device, non_blocking=_host_to_device(pages, cache))
         if cache.dtype in FLOAT8_DTYPES:
             cache, src = cache.view(torch.uint8), src.view(torch.uint8)
         cache.index_copy_(self.block_axis, ids, src)
@@ -268,15 +275,19 @@ class PagedLayout(abc.ABC):
         shape[self.block_axis] = num_blocks
         return tuple(shape)
 
-    def _block_ids(self, layer_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    def _block_ids(self, layer_cache: torch.Tensor, block_ids: torch.Tensor,
+                   bounds: tuple[int, int] | None = None) -> torch.Tensor:
         """Block ids as int64 on the cache's device, range-checked where they are on the host (no device sync)."""
         ids = torch.as_tensor(block_ids, dtype=torch.int64)
         if ids.dim() != 1:
             raise SlotError(f"block ids must be 1-D, got shape {tuple(ids.shape)}")
         if ids.device.type == "cpu" and ids.numel():
-            lo, hi, limit = int(ids.min()), int(ids.max()), self.num_blocks(layer_cache)
+            lo, hi = bounds if bounds is not None else (int(ids.min()), int(ids.max()))
+            limit = self.num_blocks(layer_cache)
             if lo < 0 or hi >= limit:
                 raise SlotError(f"block ids span [{lo}, {hi}] but the cache holds {limit} blocks")
+        if ids.device == layer_cache.device:
+            return ids
         return ids.to(layer_cache.device, non_blocking=_host_to_device(ids, layer_cache))
 
     # ---- validation -----------------------------------------------------------------

@@ -32,10 +32,25 @@ the per-channel model of ``rans`` is told which axis is the page's innermost
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 
 import torch
 
 from vllm_kvcodec.paged.base import CANONICAL_NAMESPACE, PagedLayout, SlotError
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one span of an object goes in paged memory: ``count`` slots or blocks from ``start`` of the object.
+
+    Checked once and shared by every layer of the object in the span's KV
+    cache group: checked per layer, it cost more than the layer's copy.
+    """
+
+    index: torch.Tensor  # int64 on the host: slots (canonical objects) or block ids (page objects)
+    bounds: tuple[int, int]  # (min, max) of index
+    start: int
+    count: int
 
 
 class ObjectLayout(abc.ABC):
@@ -50,9 +65,17 @@ class ObjectLayout(abc.ABC):
     def read(self, layout: PagedLayout, cache: torch.Tensor, slots: list[int], out: torch.Tensor) -> None:
         """One layer's part of an object (``out``, its slice of the object) from paged memory."""
 
-    @abc.abstractmethod
     def write(self, layout: PagedLayout, cache: torch.Tensor, slots: list[int], part: torch.Tensor, first_token: int) -> None:
         """One layer's part of a decoded object into paged memory, its tokens from ``first_token`` on (into ``slots``)."""
+        self.write_to(layout, cache, self.target(layout, slots, first_token), part)
+
+    @abc.abstractmethod
+    def target(self, layout: PagedLayout, slots: list[int], first_token: int) -> Target:
+        """Where a span (``slots``, its tokens from ``first_token`` of the object on) goes, for every layer of ``layout``."""
+
+    @abc.abstractmethod
+    def write_to(self, layout: PagedLayout, cache: torch.Tensor, target: Target, part: torch.Tensor) -> None:
+        """One layer's part of a decoded object into paged memory, where :meth:`target` said."""
 
     def token_axis(self, ndim: int) -> int | None:
         """The axis a per-channel codec should treat as tokens (None: the codec's default, for canonical KV)."""
@@ -72,8 +95,12 @@ class CanonicalObjects(ObjectLayout):
     def read(self, layout: PagedLayout, cache: torch.Tensor, slots: list[int], out: torch.Tensor) -> None:
         layout.gather(cache, torch.tensor(slots, dtype=torch.int64), out=out, check=False)
 
-    def write(self, layout: PagedLayout, cache: torch.Tensor, slots: list[int], part: torch.Tensor, first_token: int) -> None:
-        layout.scatter(cache, torch.as_tensor(slots, dtype=torch.int64), part[:, first_token : first_token + len(slots)], check=False)
+    def target(self, layout: PagedLayout, slots: list[int], first_token: int) -> Target:
+        bounds = (min(slots, default=0), max(slots, default=-1))
+        return Target(torch.as_tensor(slots, dtype=torch.int64), bounds, first_token, len(slots))
+
+    def write_to(self, layout: PagedLayout, cache: torch.Tensor, target: Target, part: torch.Tensor) -> None:
+        layout.scatter(cache, target.index, part[:, target.start : target.start + target.count], check=False)
 
     def canonical(self, obj: torch.Tensor, layout: PagedLayout) -> torch.Tensor:
         return obj
@@ -90,14 +117,21 @@ class PageObjects(ObjectLayout):
         return (num_layers, *layout.pages_shape(cache, tokens // layout.block_size))
 
     def read(self, layout: PagedLayout, cache: torch.Tensor, slots: list[int], out: torch.Tensor) -> None:
-        layout.read_pages(cache, self._blocks(slots, layout.block_size), out=out)
+        layout.read_pages(cache, torch.tensor(self._block_list(slots, layout.block_size), dtype=torch.int64), out=out)
 
-    def write(self, layout: PagedLayout, cache: torch.Tensor, slots: list[int], part: torch.Tensor, first_token: int) -> None:
+    def target(self, layout: PagedLayout, slots: list[int], first_token: int) -> Target:
         bs = layout.block_size
         if first_token % bs:
             raise SlotError(f"a page object is loaded from a block boundary, not token {first_token}")
-        blocks = self._blocks(slots, bs)
-        layout.write_pages(cache, blocks, part.narrow(layout.block_axis, first_token // bs, blocks.numel()))
+        blocks = self._block_list(slots, bs)
+        bounds = (min(blocks, default=0), max(blocks, default=-1))
+        return Target(torch.tensor(blocks, dtype=torch.int64), bounds, first_token // bs, len(blocks))
+
+    def write_to(self, layout: PagedLayout, cache: torch.Tensor, target: Target, part: torch.Tensor) -> None:
+        axis = layout.block_axis
+        whole = target.start == 0 and part.shape[axis] == target.count
+        pages = part if whole else part.narrow(axis, target.start, target.count)
+        layout.write_pages(cache, target.index, pages, target.bounds)
 
     def token_axis(self, ndim: int) -> int:
         return ndim - 1  # the innermost axis of a page: a row of the kernel's own view of it
@@ -108,12 +142,13 @@ class PageObjects(ObjectLayout):
         return torch.stack([layout.gather(pages, torch.arange(tokens)) for pages in obj])
 
     @staticmethod
-    def _blocks(slots: list[int], bs: int) -> torch.Tensor:
-        """The blocks of whole-block ``slots``, in token order; anything else is refused."""
-        starts = torch.as_tensor(slots, dtype=torch.int64)[::bs]
-        if len(slots) % bs or bool((starts % bs).any()):
-            raise SlotError(f"page objects move whole blocks of {bs} tokens; got {len(slots)} slots not block-aligned")
-        return starts // bs
+    def _block_list(slots: list[int] | torch.Tensor, bs: int) -> list[int]:
+        """The blocks of whole-block ``slots``, in token order; anything else is refused (in Python: no torch calls)."""
+        values = slots.tolist() if isinstance(slots, torch.Tensor) else slots
+        starts = values[::bs]
+        if len(values) % bs or any(s % bs for s in starts):
+            raise SlotError(f"page objects move whole blocks of {bs} tokens; got {len(values)} slots not block-aligned")
+        return [s // bs for s in starts]
 
 
 def page_namespace_id(block_size: int) -> str:
