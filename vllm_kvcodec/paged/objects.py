@@ -48,9 +48,9 @@ class Target:
     """
 
     index: torch.Tensor  # int64 on the host: slots (canonical objects) or block ids (page objects)
-    bounds: tuple[int, int]  # (min, max) of index
     start: int
     count: int
+    bounds: tuple[int, int] | None = None  # (min, max) of index, where the writer range-checks with them
 
 
 class ObjectLayout(abc.ABC):
@@ -96,8 +96,7 @@ class CanonicalObjects(ObjectLayout):
         layout.gather(cache, torch.tensor(slots, dtype=torch.int64), out=out, check=False)
 
     def target(self, layout: PagedLayout, slots: list[int], first_token: int) -> Target:
-        bounds = (min(slots, default=0), max(slots, default=-1))
-        return Target(torch.as_tensor(slots, dtype=torch.int64), bounds, first_token, len(slots))
+        return Target(torch.as_tensor(slots, dtype=torch.int64), first_token, len(slots))  # torch indexing range-checks slots
 
     def write_to(self, layout: PagedLayout, cache: torch.Tensor, target: Target, part: torch.Tensor) -> None:
         layout.scatter(cache, target.index, part[:, target.start : target.start + target.count], check=False)
@@ -125,7 +124,7 @@ class PageObjects(ObjectLayout):
             raise SlotError(f"a page object is loaded from a block boundary, not token {first_token}")
         blocks = self._block_list(slots, bs)
         bounds = (min(blocks, default=0), max(blocks, default=-1))
-        return Target(torch.tensor(blocks, dtype=torch.int64), bounds, first_token // bs, len(blocks))
+        return Target(torch.tensor(blocks, dtype=torch.int64), first_token // bs, len(blocks), bounds)
 
     def write_to(self, layout: PagedLayout, cache: torch.Tensor, target: Target, part: torch.Tensor) -> None:
         axis = layout.block_axis
