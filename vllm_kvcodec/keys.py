@@ -85,12 +85,7 @@ def extend_chunk_hashes(
     out = list(hashes[:num_chunks])
     if len(out) == num_chunks:
         return out
-    if out:
-        prev = bytes.fromhex(out[-1])
-    else:
-        prev = bytes.fromhex(namespace.digest)
-        if seed := identity.seed():
-            prev = xxhash.xxh3_128_digest(prev + seed)
+    prev = _link(namespace, out, identity)
     start = len(out)
     tokens = np.asarray(token_ids[start * size : num_chunks * size], dtype="<i8")
     for c in range(start, num_chunks):
@@ -99,6 +94,47 @@ def extend_chunk_hashes(
         prev = xxhash.xxh3_128_digest(prev + part.tobytes() + media)
         out.append(prev.hex())
     return out
+
+
+def _link(namespace: Namespace, hashes: Sequence[str], identity: PromptIdentity) -> bytes:
+    """The chain's value after ``hashes``: the last link, or the seed (namespace, salt, LoRA) before the first."""
+    if hashes:
+        return bytes.fromhex(hashes[-1])
+    prev = bytes.fromhex(namespace.digest)
+    if seed := identity.seed():
+        prev = xxhash.xxh3_128_digest(prev + seed)
+    return prev
+
+
+#: Domain tag of a prompt tail's link: a tail never has a full chunk's key, whatever its tokens.
+_TAIL = b"kvc-tail"
+
+
+def tail_hash(
+    namespace: Namespace, token_ids: Sequence[int], hashes: Sequence[str], tokens: int,
+    identity: PromptIdentity = PLAIN,
+) -> str:
+    """Key of a prompt's tail: its first ``tokens`` tokens after the full chunks ``hashes`` (fewer than a chunk).
+
+    It hangs off the chain like the next chunk would, so it means the same
+    prefix in the same context; it is a leaf (no chunk follows it), and a
+    tail of another length is another key.
+    """
+    size = namespace.chunk_size
+    if not 0 < tokens < size:
+        raise ValueError(f"a prompt tail holds 1 to {size - 1} tokens, not {tokens}")
+    start = len(hashes) * size
+    if start + tokens > len(token_ids):
+        raise ValueError(f"a tail of {tokens} tokens from {start} needs {start + tokens} tokens, got {len(token_ids)}")
+    part = np.asarray(token_ids[start : start + tokens], dtype="<i8")
+    media = identity.media_in(start, start + tokens)
+    return xxhash.xxh3_128_digest(_link(namespace, hashes, identity) + _TAIL + part.tobytes() + media).hex()
+
+
+def tail_position(namespace: Namespace, hashes: Sequence[str], identity: PromptIdentity = PLAIN) -> str:
+    """A name for "some tail after the full chunks ``hashes``", whatever its length: what in-flight tail loads are
+    tracked under, so a request whose local hit reaches into that chunk waits for any of them."""
+    return "tail@" + _link(namespace, hashes, identity).hex()
 
 
 def object_key(namespace: Namespace, chunk_hash: str, tp_rank: int, group: int) -> str:

@@ -77,3 +77,24 @@ def test_save_cap_applies_before_gathering(text, recompute, tmp_path) -> None:
         stats = conn.stats()
         assert stats["saves_dropped"] >= 2 and stats["saved_chunks"] == 4, stats
         assert stats["saved_raw_bytes"] == 4 * 128 * 30 * 2 * 3 * 64 * 4, stats  # each chunk once
+
+
+def test_a_replayed_prompt_loads_its_tail_as_the_local_cache_serves_it(text, tmp_path) -> None:
+    """prompt_tails: a replay loads every block but the last token's, as vLLM's own prefix cache would serve it,
+    so it computes the same tokens over the same KV (bf16: bit-identical greedy tokens to the local hit)."""
+    from tests.support.engine import BLOCK, assert_paged_kv_equals_stored
+
+    ids = text[:1300]
+    with engine() as llm:
+        greedy(llm, ids)
+        local_hit = greedy(llm, ids)
+    url = f"file://{tmp_path / 'store'}"
+    with engine(connector_config(url, "rans", chunk_size=4 * BLOCK, prompt_tails=True)) as llm:
+        conn = worker_connector()
+        greedy(llm, ids)
+        assert conn.flush(120) and conn.stats()["saved_chunks"] == 3  # two full chunks and the tail
+        llm.reset_prefix_cache()
+        assert greedy(llm, ids) == local_hit
+        assert conn.stats()["loaded_tokens"] == (len(ids) - 1) // BLOCK * BLOCK
+        assert conn.worker.recent_loads[-1].chunks[-1].object_tokens == 2 * BLOCK
+        assert_paged_kv_equals_stored(conn, url)

@@ -81,6 +81,28 @@ def test_media_changes_its_chunk_and_every_later_one_only() -> None:
     assert all(a != b for a, b in zip(image_a[2:], image_b[2:]))
 
 
+def test_a_prompt_tail_is_keyed_by_its_chain_context_and_length() -> None:
+    """A tail is a leaf of the chain: never a chunk's key, another for every length, context and preceding chunk."""
+    from vllm_kvcodec.keys import tail_hash
+
+    hashes = chunk_hashes(BASE, TOKENS, 3)
+    tails = {t: tail_hash(BASE, TOKENS, hashes[:2], t) for t in (16, 32, 127)}
+    assert len(set(tails.values())) == 3 and set(tails.values()).isdisjoint(hashes)
+    assert tail_hash(BASE, TOKENS, hashes[:2], 32) == tails[32]  # stable
+    assert tail_hash(BASE, TOKENS, hashes[:1], 32) != tails[32]  # after another chunk
+    alice = PromptIdentity(salt="alice")
+    assert tail_hash(BASE, TOKENS, chunk_hashes(BASE, TOKENS, 2, alice), 32, alice) != tails[32]
+    assert tail_hash(BASE, TOKENS, [], 32, alice) != tail_hash(BASE, TOKENS, [], 32)  # seeded like a first chunk
+    other = TOKENS[:256] + [7] + TOKENS[257:]
+    assert tail_hash(BASE, other, hashes[:2], 32) != tails[32]
+    image = PromptIdentity(media=((280, "img-a"),))
+    assert tail_hash(BASE, TOKENS, hashes[:2], 16, image) == tails[16]  # the image starts after it
+    assert tail_hash(BASE, TOKENS, hashes[:2], 32, image) != tails[32]
+    for bad in (0, 128):
+        with pytest.raises(ValueError):
+            tail_hash(BASE, TOKENS, hashes[:2], bad)
+
+
 def test_weights_fingerprint_follows_content_not_path(tmp_path: Path) -> None:
     from vllm_kvcodec.tools.smollm2 import model_dir
 

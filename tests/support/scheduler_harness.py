@@ -468,27 +468,30 @@ class Engine:
             tokens = self.requests[spec.req_id].all_token_ids
             hashes = chunk_hashes(ns, tokens, len(tokens) // cs)
             for chunk in spec.chunks:
-                c = hashes.index(chunk.chunk_hash) if chunk.chunk_hash in hashes else -1
+                size = chunk.object_tokens or cs
+                c = _chunk_index(ns, tokens, hashes, chunk.chunk_hash, size)
                 if c < 0:
                     raise Violation(f"load of {spec.req_id} names chunk {chunk.chunk_hash[:8]} not of its prompt")
-                self._check_load_spans(spec.req_id, c, chunk.spans, groups, len(tokens))
+                self._check_load_spans(spec.req_id, c, chunk.spans, groups, len(tokens), size)
         for spec in meta.saves:
             tokens = self.requests[spec.req_id].all_token_ids
             done = min(computed[spec.req_id] + out.num_scheduled_tokens[spec.req_id], len(tokens))
-            hashes = chunk_hashes(ns, tokens, done // cs)
-            if spec.chunk_hash not in hashes:
+            size = len(spec.group_slots[0])
+            c = _chunk_index(ns, tokens, chunk_hashes(ns, tokens, len(tokens) // cs), spec.chunk_hash, size)
+            if c < 0 or c * cs + size > done:
                 raise Violation(f"save of {spec.req_id} names chunk {spec.chunk_hash[:8]}, not complete after this step")
-            c = hashes.index(spec.chunk_hash)
             for g, (table, slots) in enumerate(zip(tables[spec.req_id], spec.group_slots, strict=True)):
-                if slots != self._slots(table, c * cs, (c + 1) * cs, f"save of {spec.req_id} chunk {c} group {g}"):
+                if slots != self._slots(table, c * cs, c * cs + size, f"save of {spec.req_id} chunk {c} group {g}"):
                     raise Violation(f"save of {spec.req_id} chunk {c} group {g}: slots disagree with its block table")
 
-    def _check_load_spans(self, req_id: str, c: int, spans: list[Any], groups: list[list[int]], num_tokens: int) -> None:
-        """Each group's span: its slots, within the chunk, never the last token, and every allocated block of the load."""
+    def _check_load_spans(self, req_id: str, c: int, spans: list[Any], groups: list[list[int]], num_tokens: int,
+                          size: int) -> None:
+        """Each group's span: its slots, within the object (``size`` tokens from chunk ``c``), never the last token,
+        and every allocated block of the load."""
         cs, bs = self.chunk_size, self.block_size
         lo = min(c * cs + s.first_token for s in spans)
         hi = max(c * cs + s.first_token + len(s.slots) for s in spans)
-        if hi > (c + 1) * cs or hi >= num_tokens:
+        if hi > c * cs + size or hi >= num_tokens:
             raise Violation(f"load of {req_id} chunk {c} runs past its chunk or covers its last token")
         for g, (span, table) in enumerate(zip(spans, groups, strict=True)):
             a = c * cs + span.first_token
@@ -542,6 +545,19 @@ class Engine:
     def shutdown(self) -> None:
         self.worker.shutdown()
         self.connector.shutdown()
+
+
+def _chunk_index(ns: Any, tokens: list[int], hashes: list[str], chunk_hash: str, size: int) -> int:
+    """Which chunk of ``tokens`` ``chunk_hash`` names: a full chunk (``size`` = chunk size), or the prompt tail
+    of ``size`` tokens after that many full chunks (``prompt_tails``); -1 if neither."""
+    from vllm_kvcodec.keys import tail_hash
+
+    if size == ns.chunk_size:
+        return hashes.index(chunk_hash) if chunk_hash in hashes else -1
+    for c in range(len(tokens) // ns.chunk_size + 1):
+        if c * ns.chunk_size + size <= len(tokens) and tail_hash(ns, tokens, hashes[:c], size) == chunk_hash:
+            return c
+    return -1
 
 
 def loads_of(engine: Engine, req_ids: Iterable[str] | None = None) -> list[Any]:

@@ -29,6 +29,7 @@ class ConnectorConfig(BaseModel):
     store: str = Field(default_factory=default_store_url, description=f"Store URL, one of: {describe_schemes()} (see docs/stores.md).")
     codec: str | dict[str, Any] | None = Field(None, description="Codec id or config dict (raw, zstd, splitzip, rans, video), 'auto' to pick by measured link and codec speed, or null for the densest codec the model's dtype allows (rans; zstd for float16).")
     chunk_size: int = Field(256, gt=0, description="Tokens per stored chunk; a multiple of vLLM's block_size.")
+    prompt_tails: bool = Field(False, description="Also store each prompt's tail past its last full chunk (whole blocks, up to the block holding its last token: what vLLM can take from a cache), and load it when a prompt repeats or extends it, so a replayed prompt or the next turn of a chat recomputes one block instead of up to chunk_size tokens. Costs one more object per request (up to chunk_size tokens of encode), used only by a prompt that repeats this one's tokens; off, like LMCache's save_unfull_chunk.")
     layers_per_object: int = Field(0, ge=0, description="Layers per stored object so loads stream layer group by layer group; 0 picks about 6 groups.")
     load_mode: Literal["sync", "async"] = Field("sync", description="sync: prefill of the suffix waits per layer; async: the request waits aside (WAITING_FOR_REMOTE_KVS) until its prefix is loaded.")
     fetch_threads: int = Field(4, ge=1, le=64, description="Threads that fetch, decode and scatter stored objects.")

@@ -32,12 +32,14 @@ class ChunkLoad:
     prefix cache, in blocks other requests may share, and are never written; a
     sliding-window group's span also leaves out the tokens whose blocks vLLM
     did not allocate (outside the window of the hit). ``block_ids`` are every
-    block the load writes, of all groups.
+    block the load writes, of all groups. A prompt tail (``prompt_tails``) is
+    an object of fewer tokens than a chunk, as ``object_tokens`` says.
     """
 
     chunk_hash: str
     spans: list[Span]
     block_ids: list[int]
+    object_tokens: int | None = None  # tokens the stored object holds: None for a full chunk, fewer for a prompt tail
 
     @property
     def tokens(self) -> int:

@@ -6,7 +6,13 @@ request, repeated only after a preemption or a failed load), tells vLLM how
 many tokens beyond its local prefix cache it can load, and turns block
 allocations into slot mappings for the worker half: loads of stored chunks,
 and saves of every chunk that becomes full, prompt or output, including
-chunks completed across several steps of a chunked prefill.
+chunks completed across several steps of a chunked prefill. With
+``prompt_tails`` it also saves each prompt's tail past its last full chunk
+(whole blocks, up to the block holding the last token) under a key that hangs
+off the chain (:func:`~vllm_kvcodec.keys.tail_hash`), and a lookup asks, in
+a second batched check, for the longest stored tail right after its hit
+chunks: a replayed prompt, or the next turn of a chat, then recomputes one
+block instead of up to a chunk.
 
 Block ids come per vLLM KV cache group (the hybrid manager's groups, see
 :mod:`~.cache_groups`): loads write each group's allocated blocks (a
@@ -40,7 +46,7 @@ from vllm_kvcodec.connector.cache_identity import agreed_scales, is_fp8
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.identity import PromptIdentity, prompt_identity
-from vllm_kvcodec.keys import Namespace, chunk_object_keys, extend_chunk_hashes
+from vllm_kvcodec.keys import Namespace, chunk_object_keys, extend_chunk_hashes, tail_hash, tail_position
 from vllm_kvcodec.connector.load_ledger import LoadLedger
 from vllm_kvcodec.connector.metadata import ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec, SaveOutcome, SaveSpec
 from vllm_kvcodec.paged.slots import slots_for_tokens
@@ -58,8 +64,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm_kvcodec")
 #: Saves of one chunk one request may plan (the first, and retries after it did not land).
 MAX_SAVE_ATTEMPTS = 3
+#: ``save_attempts`` key of the request's prompt tail (chunks count from 0).
+TAIL = -1
 #: Slack beyond the load timeout before a load that never reported stops holding other requests back.
 INFLIGHT_SLACK_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tail:
+    """A prompt tail: ``tokens`` (fewer than a chunk) from the start of chunk ``index``, stored under ``chunk_hash``."""
+
+    index: int
+    chunk_hash: str
+    tokens: int
 
 
 @dataclasses.dataclass
@@ -78,6 +95,9 @@ class _Tracked:
     save_attempts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     failures_seen: int = 0  # failed loads of this request reported so far (echoed in SaveSpec)
     deferred: set[int] = dataclasses.field(default_factory=set)  # chunks not planned while the store was down
+    tail: _Tail | None = None  # the stored tail found at the last lookup (prompt_tails)
+    tail_planned: bool = False  # this request's own tail was planned for saving (or needs none)
+    tail_save: str = ""  # the key its own tail was saved under
 
 
 class SchedulerHalf:
@@ -125,17 +145,40 @@ class SchedulerHalf:
         # Only whole chunks, and never the last token: vLLM must compute it to sample the next.
         loadable = self._hashes(tracked, max(0, request.num_tokens - 1) // self.chunk)
         if not tracked.looked_up:
-            hit = self._longest_stored_prefix(loadable) if self.config.load else 0
+            hit, tracked.tail = self._lookup(tracked, loadable) if self.config.load else (0, None)
             tracked.hit_chunks, tracked.looked_up = hit, True
             tracked.next_save = min(tracked.next_save, hit) if tracked.computed else hit
-            self.stats.add(lookups=1, lookup_chunks=len(loadable), hit_chunks=hit)
+            self.stats.add(lookups=1, lookup_chunks=len(loadable), hit_chunks=hit,
+                           **({"hit_tail_tokens": tracked.tail.tokens} if tracked.tail else {}))
         hit = min(tracked.hit_chunks, self.ledger.first_failed(loadable))
-        reads = max(hit, -(-num_computed_tokens // self.chunk))  # chunks of its local hit and of its load
-        if self.ledger.busy(tracked.hashes[:reads]):
+        tail = self._usable_tail(tracked, hit)
+        end = hit * self.chunk + (tail.tokens if tail else 0)
+        if self._reads_inflight(tracked, loadable, max(end, num_computed_tokens)):
             self.stats.add(lookups_waiting_for_inflight_load=1)
             return None, False  # ask again next step, when that load has an outcome
-        n = max(0, hit * self.chunk - num_computed_tokens)
+        n = max(0, end - num_computed_tokens)
         return n, bool(n) and self.config.load_mode == "async"
+
+    def _usable_tail(self, tracked: _Tracked, hit: int) -> _Tail | None:
+        """The stored tail, if every full chunk before it is still a hit and it is not known to fail."""
+        tail = tracked.tail
+        if tail is None or hit != tail.index or self.ledger.first_failed([tail.chunk_hash]) == 0:
+            return None
+        return tail
+
+    def _reads_inflight(self, tracked: _Tracked, loadable: list[str], tokens: int) -> bool:
+        """Whether the chunks of its first ``tokens`` (local hit and load) are being loaded by some request.
+
+        With ``prompt_tails`` that includes any tail in flight after any of
+        those chunks' predecessors, whatever its length (in-flight tails are
+        tracked under their position as well as their key): its blocks may be
+        part of this request's local hit.
+        """
+        reads = -(-tokens // self.chunk)
+        busy = tracked.hashes[: min(reads, len(loadable))]
+        if self.config.prompt_tails and tracked.identity is not None:
+            busy += [tail_position(self.namespace, loadable[:k], tracked.identity) for k in range(min(reads, len(loadable) + 1))]
+        return self.ledger.busy(busy)
 
     def _track(self, request: "Request") -> _Tracked:
         tracked = self._requests.get(request.request_id)
@@ -153,24 +196,51 @@ class SchedulerHalf:
             tracked.hashes = extend_chunk_hashes(self.namespace, tokens, tracked.hashes, num_chunks, tracked.identity)
         return tracked.hashes[:num_chunks]
 
-    def _longest_stored_prefix(self, hashes: list[str]) -> int:
+    def _lookup(self, tracked: _Tracked, loadable: list[str]) -> tuple[int, _Tail | None]:
+        """The longest stored prefix in whole chunks, then (``prompt_tails``) the longest stored tail right after it.
+
+        Two batched existence checks: the tail can only be asked for once the
+        full chunks' hit is known. A replay finds its own tail after its
+        last full chunk; the next turn of a chat finds the last turn's after
+        the chunks they share, however much it added.
+        """
+        found = self._stored(loadable)
+        if found is None:
+            return 0, None
+        hit = next((c for c, ok in enumerate(found) if not ok), len(loadable))
+        tails = self._tail_candidates(tracked, loadable[:hit])
+        found = self._stored([t.chunk_hash for t in tails]) or []
+        return hit, next((t for t, ok in zip(tails, found) if ok), None)
+
+    def _tail_candidates(self, tracked: _Tracked, hashes: list[str]) -> list[_Tail]:
+        """Every tail after the full chunks ``hashes`` the request could load, longest first (at most chunk_size /
+        block of them: whole blocks, never the last token's); none without ``prompt_tails``."""
+        if not self.config.prompt_tails or tracked.identity is None:
+            return []
+        align = self.cache_groups.hit_alignment
+        start = len(hashes) * self.chunk
+        longest = min(self.chunk - 1, (tracked.request.num_tokens - 1) // align * align - start) // align * align
+        tokens = tracked.request.all_token_ids
+        return [_Tail(len(hashes), tail_hash(self.namespace, tokens, hashes, t, tracked.identity), t)
+                for t in range(longest, 0, -align)]
+
+    def _stored(self, hashes: list[str]) -> list[bool] | None:
+        """Per chunk (or tail) key, whether every object of it (all ranks, all layer groups) is in the store;
+        None when the store did not answer (counted: a miss)."""
         if not hashes:
-            return 0
+            return []
         keys = [chunk_object_keys(self.namespace, h, self.tp_size, self.groups) for h in hashes]
         try:
             found = self.store.exists_many([k for ks in keys for k in ks])
         except StoreDownError:  # known outage, already logged once: a miss at no cost
             self.stats.add(lookup_failures=1, lookups_store_down=1)
-            return 0
+            return None
         except StoreError as exc:
             self.stats.add(lookup_failures=1)
             logger.warning("kvcodec: store lookup failed, computing the prefix instead: %s", exc)
-            return 0
+            return None
         per = len(keys[0])
-        for c in range(len(hashes)):
-            if not all(found[c * per : (c + 1) * per]):
-                return c
-        return len(hashes)
+        return [all(found[c * per : (c + 1) * per]) for c in range(len(hashes))]
 
     # ---- load planning --------------------------------------------------------------
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -184,16 +254,24 @@ class SchedulerHalf:
         chunks = self._chunk_loads(tracked, start, start + num_external_tokens)
         self._pending_loads.append(LoadSpec(request.request_id, chunks, is_async=self.config.load_mode == "async"))
         first_tokens = {c.chunk_hash: max(start, (start // self.chunk + i) * self.chunk) for i, c in enumerate(chunks)}
-        self.ledger.start(request.request_id, [c.chunk_hash for c in chunks], first_tokens, tracked.block_ids)
+        busy = [c.chunk_hash for c in chunks]
+        if chunks and chunks[-1].object_tokens is not None:  # a tail: also busy under its position (see _reads_inflight)
+            busy.append(tail_position(self.namespace, tracked.hashes[: tracked.tail.index], tracked.identity))
+        self.ledger.start(request.request_id, busy, first_tokens, tracked.block_ids)
 
     def _chunk_loads(self, tracked: _Tracked, start: int, end: int) -> list[ChunkLoad]:
         """Per chunk of ``[start, end)``, each group's allocated blocks there (a window group's window only)."""
         loads = []
+        tail = tracked.tail
         for c in range(start // self.chunk, -(-end // self.chunk)):
             a, b = max(start, c * self.chunk), min(end, (c + 1) * self.chunk)
             spans = [self._span(table, bs, a, b, c * self.chunk) for table, bs in zip(tracked.block_ids, self.block_sizes)]
             blocks = sorted({s // bs for span, bs in zip(spans, self.block_sizes) for s in span.slots})
-            if blocks:  # nothing to write: a chunk left of every window group's window (all-window models)
+            if not blocks:  # nothing to write: a chunk left of every window group's window (all-window models)
+                continue
+            if tail is not None and c == tail.index:  # the load ends in the prompt tail found at lookup
+                loads.append(ChunkLoad(tail.chunk_hash, spans, blocks, object_tokens=tail.tokens))
+            else:
                 loads.append(ChunkLoad(tracked.hashes[c], spans, blocks))
         return loads
 
@@ -269,25 +347,53 @@ class SchedulerHalf:
                 self.stats.add(saves_dropped_window_freed=1)  # a window group freed them: a retry cannot gather it
                 continue
             tracked.save_attempts[c] += 1
-            a, b = c * self.chunk, (c + 1) * self.chunk
-            group_slots = [slots_for_tokens(table, bs, a, b).tolist() for table, bs in zip(tracked.block_ids, self.block_sizes)]
-            saves.append(SaveSpec(req_id, hashes[c], group_slots, tracked.failures_seen))
+            saves.append(self._save_spec(tracked, hashes[c], c * self.chunk, self.chunk))
         tracked.next_save = max(tracked.next_save, full)
+        if self.config.prompt_tails and not tracked.tail_planned and tracked.computed + scheduled >= tracked.request.num_prompt_tokens:
+            saves.extend(self._plan_tail(tracked))
         return saves
 
-    def _blocks_held(self, tracked: _Tracked, chunk: int) -> bool:
+    def _save_spec(self, tracked: _Tracked, chunk_hash: str, first: int, tokens: int) -> SaveSpec:
+        slots = [slots_for_tokens(table, bs, first, first + tokens).tolist() for table, bs in zip(tracked.block_ids, self.block_sizes)]
+        return SaveSpec(tracked.request.request_id, chunk_hash, slots, tracked.failures_seen)
+
+    def _plan_tail(self, tracked: _Tracked) -> list[SaveSpec]:
+        """The prompt's tail, in the step that computes its last token: whole blocks past its last full chunk up to
+        the block holding that token (what a replay of the prompt can load), if it has any and it was not loaded."""
+        tracked.tail_planned = True
+        align = self.cache_groups.hit_alignment
+        index, tokens = divmod((tracked.request.num_prompt_tokens - 1) // align * align, self.chunk)
+        if not tokens or tracked.save_attempts[TAIL] >= MAX_SAVE_ATTEMPTS:
+            return []
+        chunk_hash = tail_hash(self.namespace, tracked.request.all_token_ids, self._hashes(tracked, index), tokens,
+                               tracked.identity)
+        if tracked.tail is not None and tracked.tail.chunk_hash == chunk_hash:
+            return []  # it came from the store
+        if not self.claims.claim(chunk_hash):
+            self.stats.add(saves_deduplicated=1)
+            return []
+        if not self._blocks_held(tracked, index, tokens):
+            self.claims.release(chunk_hash)
+            self.stats.add(saves_dropped_window_freed=1)
+            return []
+        tracked.save_attempts[TAIL] += 1
+        tracked.tail_save = chunk_hash
+        self.stats.add(tail_saves_planned=1)
+        return [self._save_spec(tracked, chunk_hash, index * self.chunk, tokens)]
+
+    def _blocks_held(self, tracked: _Tracked, chunk: int, tokens: int | None = None) -> bool:
         """Whether every group still holds chunk ``chunk``'s blocks in this step (a window group frees those below it).
 
         ``chunk_size <= sliding_window`` makes this true for a chunk completed in
         this step; it is false for a retry of an older chunk whose blocks vLLM
         may have handed to another request already.
         """
-        start = chunk * self.chunk
+        start, end = chunk * self.chunk, chunk * self.chunk + (tokens or self.chunk)
         for g, table in enumerate(tracked.block_ids):
             bs = self.block_sizes[g]
             if start < self.cache_groups.freed_below(g, tracked.computed):
                 return False
-            if 0 in table[start // bs : (start + self.chunk) // bs]:
+            if 0 in table[start // bs : end // bs]:
                 return False
         return True
 
@@ -317,9 +423,14 @@ class SchedulerHalf:
         tracked = self._requests.get(req_id)
         if tracked is not None:
             tracked.failures_seen += 1
-            first = min((tracked.hashes.index(h) for h in outcome.failed if h in tracked.hashes), default=0)
-            tracked.hit_chunks = min(tracked.hit_chunks, first)
-            tracked.next_save = min(tracked.next_save, first)
+            chunks = [tracked.hashes.index(h) for h in outcome.failed if h in tracked.hashes]
+            if tracked.tail is not None and tracked.tail.chunk_hash in outcome.failed:
+                tracked.tail, tracked.tail_planned = None, False  # recomputed, then saved anew
+            elif not chunks:
+                chunks = [0]  # failed hashes it does not know: trust none of its chunks
+            if chunks:
+                tracked.hit_chunks = min(tracked.hit_chunks, min(chunks))
+                tracked.next_save = min(tracked.next_save, min(chunks))
 
     def _evict_from(self, block_ids: list[list[int]], first_token: int) -> None:
         """Take every group's blocks from ``first_token`` on out of vLLM's prefix cache (they keep their refcounts).
@@ -341,6 +452,8 @@ class SchedulerHalf:
         if tracked is not None and save.chunk_hash in tracked.hashes:
             # Still holding the chunk's blocks: plan the save again (bounded by MAX_SAVE_ATTEMPTS).
             tracked.next_save = min(tracked.next_save, tracked.hashes.index(save.chunk_hash))
+        elif tracked is not None and save.chunk_hash == tracked.tail_save:
+            tracked.tail_planned = False  # its prompt tail: planned again next step, while it holds the blocks
 
     # ---- end ------------------------------------------------------------------------
     def request_finished(self, request: "Request") -> None:

@@ -217,7 +217,7 @@ class Fetcher:
         t1 = time.perf_counter()
         header = read_header(blob, key=key)  # sizes, checksum and key binding: a swapped object is rejected
         layers = self.groups[group]
-        self._check(header, len(layers))
+        self._check(header, len(layers), chunk.object_tokens or self.addresses.namespace.chunk_size)
         decoded = self.placement.decode(blob, header, chunk.spans)
         t2 = time.perf_counter()
         if not job.begin_write():
@@ -235,11 +235,11 @@ class Fetcher:
         )
         self.stats.sample(decode_s=t2 - t1, scatter_s=t3 - t2)
 
-    def _check(self, header: ChunkHeader, num_layers: int) -> None:
-        """The object must hold exactly one layer group of one chunk of this engine's KV, before anything is decoded."""
+    def _check(self, header: ChunkHeader, num_layers: int, tokens: int) -> None:
+        """The object must hold exactly one layer group of ``tokens`` of this engine's KV, before anything is decoded."""
         first = self.groups[0][0]
         a = self.layouts[first]
-        expected = self.objects.object_shape(num_layers, a, self.caches[first], self.addresses.namespace.chunk_size)
+        expected = self.objects.object_shape(num_layers, a, self.caches[first], tokens)
         if header.shape != expected or header.dtype.torch_dtype != a.dtype:
             raise LoadError(f"stored object holds {header.shape} {header.dtype.name.lower()}, expected {expected} {a.dtype}",
                             "mismatch")

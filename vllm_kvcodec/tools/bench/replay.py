@@ -14,9 +14,11 @@ emulator). Three rows and one per codec:
 
 Hits are read from vLLM itself (``RequestOutput.num_cached_tokens``: local
 plus external tokens), so a row that did not load says so. ExampleConnector
-loads every full block but the one holding the last token; this connector
-loads whole chunks, so it computes up to ``chunk_size`` more tokens: the
-table shows each row's computed tokens beside its TTFT.
+loads every full block but the one holding the last token; so does this
+connector here, with ``prompt_tails`` (the prompt's tail past its last full
+chunk is stored too), which a replay needs: whole chunks alone would leave up
+to ``chunk_size`` more tokens to compute. The table shows each row's computed
+tokens beside its TTFT.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def run(codecs: list[tuple[str, Any]], prompt: list[int], tmp: Path, max_len: in
 
     for name, codec in codecs:
         status.update(f"replay: this connector, {name}")
-        engine = Engine(f"file://{tmp / 'replay' / name}", codec, max_model_len=max_len, chunk_size=chunk_size)
+        engine = Engine(f"file://{tmp / 'replay' / name}", codec, max_model_len=max_len, chunk_size=chunk_size,
+                        prompt_tails=True)
         rows.append(_measure(name, engine, prompt, repeats, reset=True))
         engine.close()
     for r in rows:
