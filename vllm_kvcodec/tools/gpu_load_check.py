@@ -38,6 +38,7 @@ class Chunk:
     first_token: int
     slots: list[int]
     block_ids: list[int]
+    object_tokens: int | None = None  # always a full chunk here
 
     @property
     def spans(self) -> list[Span]:
