@@ -72,6 +72,21 @@ def test_bench_ttft_compares_a_load_with_recompute(tmp_path) -> None:
     assert all(r["cached_tokens"] == 512 for r in replay.values()), replay
 
 
+@pytest.mark.engine
+def test_bench_ttft_replay_only_runs_the_example_connector_comparison_alone(tmp_path) -> None:
+    out = tmp_path / "ttft.json"
+    args = ["--prefix-tokens", "512", "--suffix-tokens", "16", "--codec", "raw", "--repeats", "1", "--replay-only"]
+    done = kvcodec("bench", "ttft", *args, "--output", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["results"] == [] and result["baseline"] == {}
+    replay = {r["name"]: r for r in result["replay"]}
+    assert set(replay) == {"local hit", "ExampleConnector", "raw"}
+    assert all(r["cached_tokens"] == 512 for r in replay.values()), replay
+    assert set(result["targets"]) == {"replay TTFT(raw) / TTFT(ExampleConnector)", "replay TTFT(raw) / TTFT(local hit)"}
+    assert "ExampleConnector" in done.stdout
+
+
 def test_unknown_command_fails_cleanly() -> None:
     done = kvcodec("frobnicate")
     assert done.returncode != 0 and "No such command" in (done.stderr + done.stdout)

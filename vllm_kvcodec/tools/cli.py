@@ -88,13 +88,14 @@ def bench_ttft(
         None, help="Store URL behind the link (e.g. mooncake://host:port?...; default: a temporary file store)."
     ),
     replay: bool = typer.Option(True, help="Also replay the whole prompt from local disk beside vLLM's ExampleConnector."),
+    replay_only: bool = typer.Option(False, "--replay-only", help="Only the replay beside ExampleConnector (no links, no recompute baseline): minutes instead of an hour."),
 ) -> None:
     """TTFT of a 4k-token prefix loaded through the connector per codec at 1/10/100 Gbit/s vs recompute."""
     from vllm_kvcodec.tools.bench import ttft
 
     ttft.run(output, codecs=codec or None, gbps=gbps or None, rtt_ms=rtt_ms, prefix_tokens=prefix_tokens,
              suffix_tokens=suffix_tokens, repeats=repeats, video=video, quick=quick, store=store,
-             replay=replay)
+             replay=replay, replay_only=replay_only)
 
 
 @bench_app.command("fuzz")

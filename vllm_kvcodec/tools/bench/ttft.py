@@ -83,6 +83,7 @@ def run(
     chunk_size: int = 256,
     store: str | None = None,
     replay: bool = False,
+    replay_only: bool = False,
 ) -> dict[str, Any]:
     fresh_numba = _fresh_numba_cache()
     from vllm_kvcodec.tools.demo import BLOCK_SIZE, Engine, engine_env
@@ -115,29 +116,15 @@ def run(
     tmp = Path(tempfile.mkdtemp(prefix="kvcodec-ttft-"))
     rows: list[dict[str, Any]] = []
     replay_rows: list[dict[str, Any]] = []
-    plans = [(c, g) for c in codecs for g in links]
+    plans = [] if replay_only else [(c, g) for c in codecs for g in links]
     baseline: dict[str, Any] = {}
     try:
         with console.status("") as status:
-            # ---- baselines without the connector ----------------------------------------
-            status.update("baseline engine (no connector): starting")
-            engine = Engine(None, max_model_len=max_len)
-            status.update("baseline: recompute TTFT")
-            engine.generate(prompts[0], 1)  # warm-up at full length
-            recompute, local = [], []
-            for p in prompts[2 : 2 + repeats]:
-                engine.reset_prefix_cache()
-                recompute.append(engine.generate(p, 1)[0])
-            status.update("baseline: local prefix-cache hit TTFT (suffix prefill only)")
-            for p in prompts[2 : 2 + repeats]:
-                local.append(engine.generate(p, 1)[0])  # the prefix's blocks stay cached
-            engine.close()
-            engine = None
-            baseline = {"recompute_s": _median(recompute), "recompute_all_s": recompute,
-                        "local_hit_s": _median(local), "local_hit_all_s": local}
-            console.log(f"recompute TTFT {baseline['recompute_s'] * 1000:.0f} ms, "
-                        f"local prefix-cache hit {baseline['local_hit_s'] * 1000:.0f} ms")
-
+            if replay_only:  # the ExampleConnector comparison alone: minutes, not the full hour
+                replay_rows = replay_bench.run(_replay_codecs(codecs), prompts[0], tmp, max_len, chunk_size, repeats,
+                                               status)
+            else:
+                baseline = _baselines(prompts, repeats, max_len, status)
             # ---- connector loads -----------------------------------------------------------
             populated: dict[str, dict[str, Any]] = {}
             for n, (codec, g) in enumerate(plans, 1):
@@ -182,13 +169,13 @@ def run(
                 rows.append(row)
                 console.log(f"{name:>9} @ {g:>5g} Gbit/s: TTFT {row['ttft_s'] * 1000:.0f} ms, "
                             f"loaded {row['loaded_tokens']} tokens ({row['loaded_codecs']})")
-            if replay:
-                named = [(_name(c), c) for c in codecs if _name(c) != "video"]
-                replay_rows = replay_bench.run(named, prompts[0], tmp, max_len, chunk_size, repeats, status)
+            if replay and not replay_only:
+                replay_rows = replay_bench.run(_replay_codecs(codecs), prompts[0], tmp, max_len, chunk_size, repeats,
+                                               status)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    targets = _targets(rows, baseline, links)
+    targets = _targets(rows, baseline, links) if rows else {}
     if rows:  # the first connector engine of this process: numba's cache was empty if fresh_numba
         first = rows[0]
         targets[f"first load / steady load ({first['codec']} @ {first['gbps']:g} Gbit/s, "
@@ -219,6 +206,34 @@ def run(
 
 
 _RUN = uuid.uuid4().hex[:12]
+
+
+def _baselines(prompts: list[list[int]], repeats: int, max_len: int, status: Any) -> dict[str, Any]:
+    """TTFT without the connector: the whole prompt recomputed, and the prefix from vLLM's local prefix cache."""
+    from vllm_kvcodec.tools.demo import Engine
+
+    status.update("baseline engine (no connector): starting")
+    engine = Engine(None, max_model_len=max_len)
+    status.update("baseline: recompute TTFT")
+    engine.generate(prompts[0], 1)  # warm-up at full length
+    recompute, local = [], []
+    for p in prompts[2 : 2 + repeats]:
+        engine.reset_prefix_cache()
+        recompute.append(engine.generate(p, 1)[0])
+    status.update("baseline: local prefix-cache hit TTFT (suffix prefill only)")
+    for p in prompts[2 : 2 + repeats]:
+        local.append(engine.generate(p, 1)[0])  # the prefix's blocks stay cached
+    engine.close()
+    baseline = {"recompute_s": _median(recompute), "recompute_all_s": recompute,
+                "local_hit_s": _median(local), "local_hit_all_s": local}
+    console.log(f"recompute TTFT {baseline['recompute_s'] * 1000:.0f} ms, "
+                f"local prefix-cache hit {baseline['local_hit_s'] * 1000:.0f} ms")
+    return baseline
+
+
+def _replay_codecs(codecs: list[Any]) -> list[tuple[str, Any]]:
+    """The replay's codecs: all measured ones but video (too slow to encode for a replay row)."""
+    return [(_name(c), c) for c in codecs if _name(c) != "video"]
 
 
 def _fresh_numba_cache() -> bool:
@@ -303,6 +318,19 @@ def _targets(rows: list[dict[str, Any]], baseline: dict[str, Any], links: list[f
 
 
 def _print(result: dict[str, Any]) -> None:
+    if result["results"]:
+        _print_loads(result)
+    if result["replay"]:
+        wide_table(f"replay: the whole {result['prefix_tokens'] + result['suffix_tokens']}-token prompt again from the "
+               "local disk (no link emulator), vLLM's prefix cache reset before each; vLLM's ExampleConnector beside "
+               "this connector", ["served by", "TTFT ms", "cached", "computed", "÷local hit", "÷ExampleConnector"],
+               replay_bench.table_rows(result["replay"]))
+    for name, t in result["targets"].items():
+        value = "n/a" if t["value"] is None else f"{t['value']:.3f}"
+        console.print(f"{name}: {value} (target {t['target']}) " + ("[green]met[/green]" if t["met"] else "[red]NOT met[/red]"))
+
+
+def _print_loads(result: dict[str, Any]) -> None:
     b = result["baseline"]
     rows = result["results"]
     raw = {r["gbps"]: r["ttft_s"] for r in rows if r["codec"] == "raw"}
@@ -331,18 +359,10 @@ def _print(result: dict[str, Any]) -> None:
     console.print("verdict: 'overlapped' = TTFT within 5% of the max; 'N% hidden' = that share of the smaller term is "
                   "hidden under the larger; '+N ms beyond serial' = slower than wire + prefill back to back (the "
                   "excess is CPU work: decode, scatter and threads competing with the prefill for the cores)")
-    if result["replay"]:
-        wide_table(f"replay: the whole {result['prefix_tokens'] + result['suffix_tokens']}-token prompt again from the "
-               "local disk (no link emulator), vLLM's prefix cache reset before each; vLLM's ExampleConnector beside "
-               "this connector", ["served by", "TTFT ms", "cached", "computed", "÷local hit", "÷ExampleConnector"],
-               replay_bench.table_rows(result["replay"]))
     bad = [r for r in rows if not r["full_hit"] or r["load_failures"]]
     for r in bad:
         console.print(f"[red]{r['codec']} @ {r['gbps']:g}: loaded {r['loaded_tokens']} of {r['expected_tokens']} tokens, "
                       f"{r['load_failures']} load failures/timeouts[/red]")
-    for name, t in result["targets"].items():
-        value = "n/a" if t["value"] is None else f"{t['value']:.3f}"
-        console.print(f"{name}: {value} (target {t['target']}) " + ("[green]met[/green]" if t["met"] else "[red]NOT met[/red]"))
     la = result["load_average_before"][0]
     if la > 0.7:
         console.print(f"[yellow]measured on a busy machine (load average {la:.2f} before the run): other processes slow "
