@@ -11,13 +11,12 @@ reported per request (``failed_recving``), which vLLM recomputes.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of, reload
+from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of, prompt, reload
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -26,11 +25,6 @@ GEMMA = [W, W, W, None]  # three window layers and a full one: four KV cache gro
 MISTRAL = [W, W]  # every layer windowed: one window group
 KINDS = pytest.mark.parametrize("windows", [GEMMA, MISTRAL], ids=["gemma-like", "mistral-like"])
 SCHEDULING = pytest.mark.parametrize("pipelined", [False, True], ids=["sched", "async-sched"])
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 999) for _ in range(n)]
 
 
 @pytest.fixture

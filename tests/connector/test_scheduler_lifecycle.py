@@ -11,20 +11,14 @@ what must follow from it.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of, reload
+from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of, prompt, reload
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 999) for _ in range(n)]
 
 
 @pytest.fixture

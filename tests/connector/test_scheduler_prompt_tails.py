@@ -9,23 +9,17 @@ wrong blocks, or one saved before its KV was complete, fails here.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.scheduler_harness import Engine, loaded_tokens, loads_of
+from tests.support.scheduler_harness import Engine, loaded_tokens, loads_of, prompt
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 BLOCK, CHUNK = 16, 64
 SCHEDULING = pytest.mark.parametrize("pipelined", [False, True], ids=["sched", "async-sched"])
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 999) for _ in range(n)]
 
 
 @pytest.fixture

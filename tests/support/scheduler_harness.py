@@ -47,6 +47,7 @@ import dataclasses
 import itertools
 import json
 import os
+import random
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -62,6 +63,12 @@ IDLE_STEP_S = 0.005  # how long a step with nothing scheduled takes
 VOCAB = 1000
 _MIX = np.array([(0x9E3779B97F4A7C15 * (2 * j + 1)) & (2**64 - 1) for j in range(2 * KV_HEADS * HEAD)], dtype=np.uint64)
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    """``n`` token ids, the same for the same seed: what scenarios store, replay and extend."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, 999) for _ in range(n)]
 
 
 def layer_names(n: int) -> list[str]:
