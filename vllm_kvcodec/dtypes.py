@@ -14,6 +14,7 @@ a reader that predates them refuses their chunks with "unknown dtype code"
 from __future__ import annotations
 
 import enum
+import warnings
 
 import numpy as np
 import torch
@@ -107,7 +108,13 @@ def tensor_to_bits(kv: torch.Tensor) -> tuple[np.ndarray, DType]:
     return kv.view(_SIGNED[dtype.itemsize]).numpy().view(dtype.bits_dtype), dtype
 
 
+# A borrowed (read-only) decode becomes a tensor that is only ever read (the source of a copy into paged
+# memory); torch's one-time warning about non-writable arrays would only alarm whoever reads the logs.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
+                        module=__name__)
+
+
 def bits_to_tensor(bits: np.ndarray, dtype: DType) -> torch.Tensor:
-    """Inverse of :func:`tensor_to_bits`; shares memory with ``bits``."""
+    """Inverse of :func:`tensor_to_bits`; shares memory with ``bits`` (read-only ``bits``: never write the tensor)."""
     signed = {1: np.uint8, 2: np.int16, 4: np.int32}[dtype.itemsize]
     return torch.from_numpy(np.ascontiguousarray(bits).view(signed)).view(dtype.torch_dtype)

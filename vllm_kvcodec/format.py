@@ -169,11 +169,16 @@ def decode_chunk(blob: bytes | bytearray | memoryview, key: str | None = None) -
     return decode_payload(blob, read_header(blob, key=key))
 
 
-def decode_payload(blob: bytes | bytearray | memoryview, header: ChunkHeader) -> torch.Tensor:
-    """Decode ``blob``'s payload, given the header :func:`read_header` validated for it (not parsed again)."""
+def decode_payload(blob: bytes | bytearray | memoryview, header: ChunkHeader, *, borrow: bool = False) -> torch.Tensor:
+    """Decode ``blob``'s payload, given the header :func:`read_header` validated for it (not parsed again).
+
+    ``borrow``: the tensor may share memory with ``blob`` (see :meth:`Codec.decode_borrowed`); for a
+    caller that copies it somewhere at once and never writes it.
+    """
     codec = _codec_for(header)
     payload = memoryview(blob).cast("B")[header.payload_offset : header.payload_offset + header.payload_length]
-    bits = codec.decode(payload, header.dtype, header.shape)
+    decode = codec.decode_borrowed if borrow else codec.decode
+    bits = decode(payload, header.dtype, header.shape)
     if bits.shape != header.shape or bits.dtype != header.dtype.bits_dtype:
         raise ChunkFormatError(f"codec {header.codec_id!r} produced {bits.shape}/{bits.dtype}, not {header.shape}")
     return bits_to_tensor(bits, header.dtype)

@@ -37,6 +37,16 @@ class Codec(abc.ABC):
         on anything that does not decode to exactly ``shape``.
         """
 
+    def decode_borrowed(self, payload: memoryview, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
+        """:meth:`decode`, but the result may share (read-only) memory with ``payload``.
+
+        The load path copies a decoded object into paged memory at once and
+        drops it, so a codec whose decode would only copy the payload (``raw``)
+        can hand it over as it is: a 94 MB prefix load saves a 94 MB copy.
+        Callers read the result and never write it.
+        """
+        return self.decode(payload, dtype, shape)
+
     def get_config(self) -> dict[str, Any]:
         """The parameters that rebuild this codec (stored in every chunk header)."""
         return {"id": self.codec_id}

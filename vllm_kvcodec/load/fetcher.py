@@ -127,7 +127,7 @@ class HostPlacement(Placement):
     """Caches in host memory: decode on the fetch thread, scatter with each layer's page layout."""
 
     def decode(self, blob: bytes, header: ChunkHeader, spans: list[Span]) -> Decoded:
-        return Decoded(decode_payload(blob, header), spans)
+        return Decoded(decode_payload(blob, header, borrow=True), spans)  # only read: the scatter's source
 
     def scatter(self, layers: range, decoded: Decoded) -> None:
         self.write_layers(layers, decoded)

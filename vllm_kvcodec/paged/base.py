@@ -49,7 +49,8 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -63,6 +64,25 @@ CANONICAL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e
 #: The 1-byte formats of vLLM's fp8 KV caches. vLLM allocates those caches as ``torch.uint8``
 #: (``STR_DTYPE_TO_TORCH_DTYPE``); a layout for one reads them as the float8 format they hold.
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class BlockRun(NamedTuple):
+    """``count`` consecutive cache blocks from ``block`` on, taking the pages from ``at`` on of a source."""
+
+    block: int
+    at: int
+    count: int
+
+
+def block_runs(block_ids: Sequence[int]) -> list[BlockRun]:
+    """``block_ids`` (host ints) as runs of consecutive ids: vLLM hands a new request mostly consecutive blocks."""
+    runs: list[BlockRun] = []
+    for at, block in enumerate(block_ids):
+        if runs and runs[-1].block + runs[-1].count == block:
+            runs[-1] = runs[-1]._replace(count=runs[-1].count + 1)
+        else:
+            runs.append(BlockRun(block, at, 1))
+    return runs
 
 
 class PagedLayoutError(ConfigError):
@@ -250,13 +270,17 @@ class PagedLayout(abc.ABC):
         return torch.index_select(cache, self.block_axis, ids, out=out)
 
     def write_pages(self, layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor,
-                    bounds: tuple[int, int] | None = None) -> None:
+                    bounds: tuple[int, int] | None = None, runs: Sequence[BlockRun] | None = None) -> None:
         """Write whole pages read by :meth:`read_pages` (of an engine with this layout) into ``block_ids``.
 
         ``bounds``: ``(min, max)`` of host ``block_ids``, known to the caller
         that writes the same blocks of many layers; a load is then one kernel
         call per layer (each torch call hands the GIL over, and a loaded
         prefix is hundreds of small writes racing the engine's thread for it).
+        ``runs``: ``block_runs(block_ids)``, from the same caller. On the host
+        each run is one plain copy of contiguous pages (memcpy speed), where
+        ``index_copy_`` moves element by element: 54 us against 6 us for two
+        196 KB pages. A CUDA cache keeps the single ``index_copy_`` kernel.
         """
         self.check_cache(layer_cache)
         ids, cache = self._block_ids(layer_cache, block_ids, bounds), self._elements(layer_cache)
@@ -267,6 +291,11 @@ class PagedLayout(abc.ABC):
         src = pages if pages.device == cache.device else pages.to(cache.device, non_blocking=_host_to_device(pages, cache))
         if cache.dtype in FLOAT8_DTYPES:
             cache, src = cache.view(torch.uint8), src.view(torch.uint8)
+        if runs is not None and cache.device.type == "cpu":
+            axis = self.block_axis
+            for block, at, count in runs:
+                cache.narrow(axis, block, count).copy_(src.narrow(axis, at, count))
+            return
         cache.index_copy_(self.block_axis, ids, src)
 
     def pages_shape(self, layer_cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvcodec.paged.base import CANONICAL_NAMESPACE, PagedLayout, SlotError
+from vllm_kvcodec.paged.base import CANONICAL_NAMESPACE, BlockRun, PagedLayout, SlotError, block_runs
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class Target:
     start: int
     count: int
     bounds: tuple[int, int] | None = None  # (min, max) of index, where the writer range-checks with them
+    runs: tuple[BlockRun, ...] | None = None  # page objects: index as runs of consecutive blocks
 
 
 class ObjectLayout(abc.ABC):
@@ -124,13 +125,14 @@ class PageObjects(ObjectLayout):
             raise SlotError(f"a page object is loaded from a block boundary, not token {first_token}")
         blocks = self._block_list(slots, bs)
         bounds = (min(blocks, default=0), max(blocks, default=-1))
-        return Target(torch.tensor(blocks, dtype=torch.int64), first_token // bs, len(blocks), bounds)
+        return Target(torch.tensor(blocks, dtype=torch.int64), first_token // bs, len(blocks), bounds,
+                      tuple(block_runs(blocks)))
 
     def write_to(self, layout: PagedLayout, cache: torch.Tensor, target: Target, part: torch.Tensor) -> None:
         axis = layout.block_axis
         whole = target.start == 0 and part.shape[axis] == target.count
         pages = part if whole else part.narrow(axis, target.start, target.count)
-        layout.write_pages(cache, target.index, pages, target.bounds)
+        layout.write_pages(cache, target.index, pages, target.bounds, target.runs)
 
     def token_axis(self, ndim: int) -> int:
         return ndim - 1  # the innermost axis of a page: a row of the kernel's own view of it
