@@ -84,6 +84,16 @@ class Store(abc.ABC):
         return f"{type(self).__name__}({self._url!r})"
 
     @property
+    def reads_in_memory(self) -> bool:
+        """A read is a memory copy on this host (file in the page cache, memory), not a wait on a network.
+
+        The fetcher then reads on no more threads than it decodes on: a read
+        costs CPU like a decode, and extra readers only take cores from the
+        engine. Wrappers answer for the store they wrap.
+        """
+        return False
+
+    @property
     def is_down(self) -> bool:
         """Known to be unreachable right now, without asking it (an outage guard knows; a plain store never claims it)."""
         return False

@@ -21,6 +21,7 @@ Options (URL query): ``max_bytes`` caps the total size (``10GiB``, ``500MB``,
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -83,6 +84,11 @@ class FileStore(Store):
     @property
     def root(self) -> str:
         return self._root
+
+    @property
+    def reads_in_memory(self) -> bool:
+        """A local file system: reads are copies out of the page cache (a network file system's wait on it)."""
+        return not on_network_filesystem(self._root)
 
     def _path(self, key: str) -> str:
         name = object_name(key)
@@ -167,6 +173,35 @@ class FileStore(Store):
 def _header(key: str) -> bytes:
     raw = key.encode("ascii")
     return _HEADER.pack(_MAGIC, len(raw)) + raw
+
+
+#: File system types (``/proc/self/mounts``) whose reads go over a network.
+NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "gpfs", "beegfs",
+                       "9p", "afs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs", "fuse.glusterfs")
+
+
+@functools.lru_cache(maxsize=64)
+def on_network_filesystem(path: str) -> bool:
+    """Whether ``path`` lies on a network file system (by ``/proc/self/mounts``; elsewhere: assumed local)."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            return filesystem_type(os.path.realpath(path), f.read()) in NETWORK_FILESYSTEMS
+    except OSError:
+        return False
+
+
+def filesystem_type(path: str, mounts: str) -> str:
+    """The type of the file system ``path`` (absolute, resolved) is on: its longest mount point in ``mounts``."""
+    best, kind = "", ""
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")  # /proc/mounts writes a space as \040
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(best):
+            best, kind = point, fields[2]
+    return kind
 
 
 def _read_object(f: io.FileIO, key: str) -> bytes | None:

@@ -42,6 +42,10 @@ class MemoryStore(Store):
         super().__init__(f"memory://{name}")
         self._data, self._lock = _shared_map(name) if name else ({}, threading.Lock())
 
+    @property
+    def reads_in_memory(self) -> bool:
+        return True
+
     def _get(self, key: str) -> bytes | None:
         with self._lock:
             return self._data.get(key)

@@ -88,6 +88,11 @@ class OutageGuard(Store):
             self._recovered()
         return result
 
+    @property
+    def reads_in_memory(self) -> bool:
+        inner = self.inner
+        return inner is not None and inner.reads_in_memory
+
     def _ready(self) -> Store:
         with self._lock:
             now = time.monotonic()

@@ -24,6 +24,10 @@ class ReadOnlyStore(Store):
         super().__init__(inner.url)
         self.inner = inner
 
+    @property
+    def reads_in_memory(self) -> bool:
+        return self.inner.reads_in_memory
+
     def _get(self, key: str) -> bytes | None:
         return self.inner.get(key)
 

@@ -9,8 +9,12 @@ from vllm_kvcodec.tools.bench import faults
 from vllm_kvcodec.format import read_header
 
 
-def test_every_load_is_exact_or_reported_failed_and_every_fault_is_counted() -> None:
-    result = faults.run(None, faulty_loads=40, seed=2, rates={"delay": 0.02}, timeout_s=0.2, delay_s=0.3)
+@pytest.mark.parametrize("decode_threads", [None, 1], ids=["fetch-threads-decode", "one-decode-thread"])
+def test_every_load_is_exact_or_reported_failed_and_every_fault_is_counted(decode_threads) -> None:
+    """With the fetch threads decoding, and with one decode thread behind four fetch threads (a CPU engine's default)."""
+    result = faults.run(None, faulty_loads=40, seed=2, rates={"delay": 0.02}, timeout_s=0.2, delay_s=0.3,
+                        decode_threads=decode_threads)
+    assert result["decode_threads"] == decode_threads
     injected = result["injected"]
     assert result["wrong"] == 0 and result["faulty_loads"] >= 40
     assert result["exact"] + result["failed"] == result["loads"] and result["exact"] > 0

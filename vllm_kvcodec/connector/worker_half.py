@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.codecs import policy
 from vllm_kvcodec.codecs.warmup import warm_up
+from vllm_kvcodec.load.cores import load_threads
 from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.keys import Namespace, ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
@@ -62,7 +62,7 @@ class WorkerHalf:
         dtype = DType.parse(namespace.dtype)
         self.objects = object_layout_for(namespace.layout_id)  # what one stored object holds: pages or canonical KV
         self.chooser = CodecChooser(_codec_spec(config.codec, dtype), candidates=policy.auto_candidates(dtype),
-                                    decoders=min(config.fetch_threads, os.cpu_count() or 1),
+                                    decoders=1,  # until register_kv_caches knows the caches' device
                                     behind=policy.behind_codec_for(config.save_codec_when_behind, dtype))
         self.store = open_connector_store(config)
         self.fetcher: Fetcher | None = None
@@ -101,9 +101,12 @@ class WorkerHalf:
         self.caches, self.layouts = caches, ordered
         self.layer_cache_groups = [self.cache_groups.of_layer(n) for n in names]
         addresses = ObjectAddresses(self.namespace, self.tp_rank, tuple(self.groups))
-        self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered, self.config.fetch_threads,
+        threads = load_threads(self.config.fetch_threads, self.config.decode_threads, on_device=caches[0].is_cuda,
+                               reads_in_memory=self.store.reads_in_memory)
+        self.chooser.decoders = threads.decode
+        self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered, threads.fetch,
                                               self.stats, self.chooser.observe_transfer,
-                                              cache_groups=self.layer_cache_groups)
+                                              cache_groups=self.layer_cache_groups, decode_threads=threads.decode)
         self.saver = Saver(self.store, addresses, self.chooser, self.config.save_threads,
                            self.config.max_pending_save_bytes, self.stats, report=self._save_settled,
                            nice=self.config.save_thread_nice)
@@ -111,10 +114,10 @@ class WorkerHalf:
         self.chooser.token_axis = self.objects.token_axis
         if self.chooser.auto:
             self._probe_round_trip(addresses)
-        logger.info("kvcodec: %d KV layers in %d groups (%d KV cache groups: %s), layout %s, store %s, codec %s",
-                    len(names), len(self.groups), len(self.cache_groups.groups),
+        logger.info("kvcodec: %d KV layers in %d groups (%d KV cache groups: %s), layout %s, store %s, codec %s, "
+                    "%d fetch / %d decode threads", len(names), len(self.groups), len(self.cache_groups.groups),
                     ", ".join(g.label for g in self.cache_groups.groups), ordered[0].layout_id,
-                    redact_url(self.config.store), self.chooser.fixed or "auto")
+                    redact_url(self.config.store), self.chooser.fixed or "auto", threads.fetch, threads.decode)
 
     def _probe_round_trip(self, addresses: ObjectAddresses, probes: int = 3) -> None:
         """The store's latency (empty lookups), which codec ``auto`` must not read as bandwidth."""

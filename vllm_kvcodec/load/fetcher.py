@@ -8,7 +8,14 @@ kernels) release the GIL, so threads overlap for real.
 Objects are fetched in batches, one store round trip each (``get_many``: one
 Redis MGET, one Mooncake batch read), of at most ``BATCH_BYTES`` of raw KV: a
 distant store costs a few round trips per load, not one per object, and memory
-stays bounded (each thread holds one batch). Per object, whatever the medium:
+stays bounded (each fetch thread holds one batch until it is decoded).
+
+Fetching and decoding run on two pools: ``threads`` fetch (I/O: several round
+trips in flight, GIL released), ``decode_threads`` decode and scatter (CPU).
+On a CPU engine the prefill's own threads take the cores, and every decode
+thread beyond the cores they leave idle only adds contention: on 2 cores a
+4096-token raw load cost 0.13 CPU-s with 4 threads decoding, 0.07 with one.
+Per object, whatever the medium:
 a missing one fails its blocks; its header is validated once (sizes, checksum,
 the key it is bound to, the shape this engine expects), then the
 :class:`Placement` decodes and scatters it. What differs between host memory
@@ -145,13 +152,19 @@ class Fetcher:
         observe_transfer: Callable[[int, float], None] | None = None,
         placement: Placement | None = None,
         cache_groups: list[int] | None = None,
+        decode_threads: int | None = None,
     ) -> None:
+        """``decode_threads``: threads that decode and scatter (None: the fetch threads do it themselves)."""
         self.store, self.addresses = store, addresses
         self.observe_transfer = observe_transfer  # feeds the link estimate of codec "auto"
         self.groups, self.caches, self.layouts, self.stats = addresses.groups, caches, layouts, stats
         self.placement = placement if placement is not None else HostPlacement(caches, layouts, cache_groups)
         self.objects = self.placement.objects = object_layout_for(addresses.namespace.layout_id)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-fetch", initializer=_one_torch_thread)
+        self._decode_pool: ThreadPoolExecutor | None = None
+        if decode_threads is not None and decode_threads < threads:
+            self._decode_pool = ThreadPoolExecutor(decode_threads, thread_name_prefix="kvcodec-decode",
+                                                   initializer=_one_torch_thread)
 
     def submit(self, specs: list[LoadSpec], timeout_s: float) -> LoadJob:
         chunks = [(spec, chunk) for spec in specs for chunk in spec.chunks]
@@ -195,21 +208,33 @@ class Fetcher:
             self.observe_transfer(sum(len(b) for b in blobs if b is not None), fetch_s)
         self.stats.add(fetch_s=fetch_s, fetch_batches=1)
         self.stats.sample(fetch_s=fetch_s)
-        for (index, chunk), key, blob in zip(batch, keys, blobs):
-            ok = False
-            try:
-                if error is not None:
-                    raise LoadError(f"store get failed: {error}", "store")
-                if fetched:
-                    if job.cancelled:  # read, then dropped: the load timed out meanwhile (counted as such)
-                        raise LoadError("load cancelled (timeout)", "timeout")
-                    self._decode_scatter(job, group, chunk, key, blob)
-                    ok = True
-            except Exception as exc:  # noqa: BLE001 - any failure means "recompute these blocks"
-                self.stats.add(load_failures=1, **{f"load_failures_{failure_kind(exc)}": 1})
-                logger.warning("kvcodec: load of chunk %s group %d failed, recomputing: %s", chunk.chunk_hash[:12], group, exc)
-            finally:
-                job.object_done(group, index, ok)
+        objects = [(job, group, index, chunk, key, blob, error, fetched)
+                   for (index, chunk), key, blob in zip(batch, keys, blobs)]
+        if self._decode_pool is None:
+            for args in objects:
+                self._settle_object(*args)
+            return
+        # The batch stays held (memory bound) until the decode threads are done with it.
+        for future in [self._decode_pool.submit(self._settle_object, *args) for args in objects]:
+            future.result()
+
+    def _settle_object(self, job: LoadJob, group: int, index: int, chunk: ChunkLoad, key: str, blob: bytes | None,
+                       error: Exception | None, fetched: bool) -> None:
+        """Decode and scatter one fetched object, or count why it cannot be; either way it is done."""
+        ok = False
+        try:
+            if error is not None:
+                raise LoadError(f"store get failed: {error}", "store")
+            if fetched:
+                if job.cancelled:  # read, then dropped: the load timed out meanwhile (counted as such)
+                    raise LoadError("load cancelled (timeout)", "timeout")
+                self._decode_scatter(job, group, chunk, key, blob)
+                ok = True
+        except Exception as exc:  # noqa: BLE001 - any failure means "recompute these blocks"
+            self.stats.add(load_failures=1, **{f"load_failures_{failure_kind(exc)}": 1})
+            logger.warning("kvcodec: load of chunk %s group %d failed, recomputing: %s", chunk.chunk_hash[:12], group, exc)
+        finally:
+            job.object_done(group, index, ok)
 
     def _decode_scatter(self, job: LoadJob, group: int, chunk: ChunkLoad, key: str, blob: bytes | None) -> None:
         if blob is None:
@@ -246,4 +271,6 @@ class Fetcher:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._decode_pool is not None:
+            self._decode_pool.shutdown(wait=True)
         self.placement.shutdown()

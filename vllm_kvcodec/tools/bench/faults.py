@@ -64,6 +64,7 @@ def run(
     delay_s: float = 0.4,
     tokens: int = 1024,
     threads: int = 4,
+    decode_threads: int | None = None,
 ) -> dict[str, Any]:
     """Load until ``faulty_loads`` loads met a fault; print a table, write JSON to ``output``."""
     from vllm_kvcodec.tools.smollm2 import real_kv
@@ -80,7 +81,7 @@ def run(
     torch.set_num_threads(1)  # the checks are small; OpenMP workers would only fight the fetch threads
     try:
         with open_store(url) as store:
-            bench = _Bench(store, find_fault_injector(store), kv, chunks, threads)
+            bench = _Bench(store, find_fault_injector(store), kv, chunks, threads, decode_threads)
             outcome = bench.load_until(faulty_loads, timeout_s, random.Random(seed))
     finally:
         log.setLevel(level)
@@ -90,6 +91,7 @@ def run(
         "store": "faults+memory://",
         "rates": rates, "seed": seed, "delay_s": delay_s, "load_timeout_s": timeout_s,
         "chunk_tokens": CHUNK, "objects_per_load": len(bench.addresses.groups), "codec": "rans",
+        "fetch_threads": threads, "decode_threads": decode_threads,
         "seconds": round(time.perf_counter() - started, 1),
         **outcome,
     }
@@ -99,7 +101,8 @@ def run(
 
 
 class _Bench:
-    def __init__(self, store, faults: FaultInjector, kv: torch.Tensor, chunks: list[torch.Tensor], threads: int) -> None:
+    def __init__(self, store, faults: FaultInjector, kv: torch.Tensor, chunks: list[torch.Tensor], threads: int,
+                 decode_threads: int | None = None) -> None:
         layers, _, _, heads, head_dim = kv.shape
         namespace = Namespace("bench-faults", "bfloat16", layers, heads, head_dim, CANONICAL_NAMESPACE, 1, CHUNK,
                               LAYERS_PER_OBJECT)
@@ -111,7 +114,8 @@ class _Bench:
         self.caches = [torch.full((TARGET_BLOCKS, heads, CHUNK, 2 * head_dim), POISON, dtype=kv.dtype)
                        for _ in range(layers)]
         self._save(store)
-        self.fetcher = Fetcher(store, self.addresses, self.caches, [self.layout] * layers, threads, self.stats)
+        self.fetcher = Fetcher(store, self.addresses, self.caches, [self.layout] * layers, threads, self.stats,
+                               decode_threads=decode_threads)
 
     def _save(self, store) -> None:
         saver = Saver(store, self.addresses, CodecChooser("rans"), 2, 1 << 30, ConnectorStats())
