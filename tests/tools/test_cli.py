@@ -75,7 +75,8 @@ def test_bench_ttft_compares_a_load_with_recompute(tmp_path) -> None:
 @pytest.mark.engine
 def test_bench_ttft_replay_only_runs_the_example_connector_comparison_alone(tmp_path) -> None:
     out = tmp_path / "ttft.json"
-    args = ["--prefix-tokens", "512", "--suffix-tokens", "16", "--codec", "raw", "--repeats", "1", "--replay-only"]
+    args = ["--prefix-tokens", "512", "--suffix-tokens", "16", "--codec", "raw", "--repeats", "1", "--replay-only",
+            "--replay-repeats", "2"]
     done = kvcodec("bench", "ttft", *args, "--output", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -83,7 +84,13 @@ def test_bench_ttft_replay_only_runs_the_example_connector_comparison_alone(tmp_
     replay = {r["name"]: r for r in result["replay"]}
     assert set(replay) == {"local hit", "ExampleConnector", "raw"}
     assert all(r["cached_tokens"] == 512 for r in replay.values()), replay
+    # each replay was paired with a local hit in its own engine, and the ratios are the pairs'
+    assert all(len(r["ttft_all_s"]) == len(r["local_hit_all_s"]) == 2 for r in replay.values()), replay
+    raw = replay["raw"]
+    pairs = sorted(t / h for t, h in zip(raw["ttft_all_s"], raw["local_hit_all_s"]))
+    assert raw["over_local"] == pytest.approx(sum(pairs) / 2)
     assert set(result["targets"]) == {"replay TTFT(raw) / TTFT(ExampleConnector)", "replay TTFT(raw) / TTFT(local hit)"}
+    assert result["targets"]["replay TTFT(raw) / TTFT(local hit)"]["value"] == pytest.approx(raw["over_local"])
     assert "ExampleConnector" in done.stdout
 
 
