@@ -131,7 +131,7 @@ class Placement(abc.ABC):
 
 
 class HostPlacement(Placement):
-    """Caches in host memory: decode on the fetch thread, scatter with each layer's page layout."""
+    """Caches in host memory: decode on a decode (or fetch) thread, scatter with each layer's page layout."""
 
     def decode(self, blob: bytes, header: ChunkHeader, spans: list[Span]) -> Decoded:
         return Decoded(decode_payload(blob, header, borrow=True), spans)  # only read: the scatter's source
