@@ -70,9 +70,12 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
-        self.config.check_block_size(block_size)
         check_uniform_cache_dtype(vllm_config.cache_config)
+        # A model the connector cannot serve is refused by name before any chunk_size arithmetic: hybrid models
+        # raise vLLM's block size (256 for Qwen3-Next on AVX-512 hosts), and "chunk_size must be a multiple of
+        # block_size" would send its user to tune a setting that cannot help.
         cache_groups = cache_groups_for(kv_cache_config, block_size, self.config.chunk_size)
+        self.config.check_block_size(block_size)
         self.config = self.config.model_copy(update={"load_mode": load_mode(self.config, cache_groups)})
         namespace = build_namespace(vllm_config, self.config, cache_groups, kv_cache_config)
         groups = self.config.layer_groups(namespace.num_layers)
