@@ -35,8 +35,9 @@ window, so the context check reads only that, and finds a load that left a
 window block unwritten, or a save that named a freed block.
 
 fp8 caches (``cache_dtype="fp8_e4m3"``/``"fp8_e5m2"``): uint8 caches, KV bytes
-that vLLM's op writes unchanged. Where this vLLM build has no fp8 kernel the
-harness writes with the layout itself, and the layouts' check against the op
+that vLLM's op writes unchanged. Where this vLLM build has no fp8 kernel (AVX2
+builds), or none for the harness's block size (16-token blocks: vLLM picks
+VEC16, which has no fp8 kernel, on any host), the harness writes with the layout itself, and the layouts' check against the op
 is skipped (``tests/paged`` checks them against the op where it runs): what
 is tested then is keying and the plans, through fp8 bytes.
 """
@@ -212,7 +213,9 @@ class Engine:
             self.layers = [Attention(4, HEAD, HEAD**-0.5, num_kv_heads=KV_HEADS, prefix=n, per_layer_sliding_window=w,
                                      cache_config=self.vllm_config.cache_config)
                            for n, w in zip(self.names, self.windows)]
-        self._op_writes = self.kv_dtype == torch.bfloat16 or _op_writes_fp8()
+        # vLLM's fp8 kernels run the VEC/AMX pages only, which need blocks of a multiple of 32 tokens (with
+        # 16-token blocks vLLM picks VEC16 and its op refuses fp8): other block sizes write through the layout.
+        self._op_writes = self.kv_dtype == torch.bfloat16 or (block_size % 32 == 0 and _op_writes_fp8())
         cls = AsyncScheduler if async_scheduling else Scheduler
         self.scheduler = cls(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                              structured_output_manager=StructuredOutputManager(self.vllm_config),
