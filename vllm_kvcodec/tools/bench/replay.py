@@ -22,9 +22,10 @@ targets read: on a shared 2-core machine an engine's speed drifts by up to 2x
 between engines started minutes apart (the local hit measured 124-377 ms), so
 TTFTs of different engines cannot be compared, while a pair a few hundred ms
 apart can. ExampleConnector's pairs give its own ratio, and "faster than
-ExampleConnector" compares the two ratios. ExampleConnector
-loads every full block but the one holding the last token; so does this
-connector here, with ``prompt_tails`` (the prompt's tail past its last full
+ExampleConnector" compares the two ratios.
+
+ExampleConnector loads every full block but the one holding the last token;
+so does this connector here, with ``prompt_tails`` (the prompt's tail past its last full
 chunk is stored too), which a replay needs: whole chunks alone would leave up
 to ``chunk_size`` more tokens to compute. The table shows each row's computed
 tokens beside its TTFT.
