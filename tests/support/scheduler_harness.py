@@ -37,9 +37,10 @@ window block unwritten, or a save that named a freed block.
 fp8 caches (``cache_dtype="fp8_e4m3"``/``"fp8_e5m2"``): uint8 caches, KV bytes
 that vLLM's op writes unchanged. Where this vLLM build has no fp8 kernel (AVX2
 builds), or none for the harness's block size (16-token blocks: vLLM picks
-VEC16, which has no fp8 kernel, on any host), the harness writes with the layout itself, and the layouts' check against the op
-is skipped (``tests/paged`` checks them against the op where it runs): what
-is tested then is keying and the plans, through fp8 bytes.
+VEC16, which has no fp8 kernel, on any host), the harness writes with the
+layout itself, and the layouts' check against the op is skipped
+(``tests/paged`` checks them against the op where it runs): what is tested
+then is keying and the plans, through fp8 bytes.
 """
 
 from __future__ import annotations

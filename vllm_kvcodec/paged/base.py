@@ -48,8 +48,8 @@ Identity: ``layout_id`` and ``canonical``
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import torch
