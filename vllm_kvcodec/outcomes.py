@@ -27,3 +27,6 @@ class SaveOutcome:
     req_id: str
     chunk_hash: str
     landed: bool  # False: dropped or failed (counted on the worker with its reason)
+    #: > 0: dropped because the save queue had no room for this many bytes. Planning it again only helps once
+    #: the queue has drained that much, which takes a put (tens of ms or more), not a step (a few ms).
+    needs_room: int = 0

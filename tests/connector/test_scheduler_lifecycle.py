@@ -363,6 +363,38 @@ def test_second_turn_loads_every_chunk_the_first_turn_computed(tmp_path, store, 
     f.assert_empty()
 
 
+# ---- saves past the memory cap --------------------------------------------------------------
+CHUNK_BYTES = 256 * 512  # a 256-token chunk of the harness's two bf16 layers (2 KV x 2 heads x 32 dims)
+
+
+@SCHEDULING
+def test_saves_dropped_for_room_are_planned_again_once_the_queue_drains(tmp_path, pipelined) -> None:
+    """16 chunks complete in one step under a cap of 8: 8 are dropped before gathering, each waits for a report
+    with room (a put takes 42 ms, many steps), then lands. Retried every step, they spent their attempts first."""
+    from storage import open_store
+
+    url = f"file://{tmp_path / 'store'}"
+    e = make(tmp_path, f"link+{url}?gbps=0.025", pipelined=pipelined, chunk_size=256, num_blocks=600,
+             max_batched=8192, save_threads=1, max_pending_save_bytes=8 * CHUNK_BYTES)
+    p = prompt(16 * 256 + 10)
+    keys = [k for c in range(16) for k in object_keys(e, p, c)]
+    e.add("r", p, max_tokens=3000)  # decodes on while the queue drains
+    with open_store(url) as s:
+        e.run(max_steps=3000, until=lambda e: all(s.exists_many(keys)))
+    e.abort("r")
+    e.run()
+    assert e.stats()["saves_dropped"] >= 8
+    e.assert_empty()
+    assert reload(make(tmp_path, url, chunk_size=256, num_blocks=600, max_batched=8192), p) == 16 * 256
+
+
+def test_a_cap_below_one_chunk_is_refused_at_start_up(tmp_path, store) -> None:
+    from vllm_kvcodec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="below one chunk"):
+        make(tmp_path, store, chunk_size=8192, max_pending_save_bytes=1 << 20)  # 4 MiB chunks
+
+
 # ---- contract -------------------------------------------------------------------------------
 def test_contract_details(tmp_path, store) -> None:
     from vllm_kvcodec.connector import KVCodecConnector

@@ -103,17 +103,24 @@ class KVCodecMetadata(KVConnectorMetadata):
 
 @dataclasses.dataclass
 class KVCodecWorkerReport(KVConnectorWorkerMetadata):
-    """Outcomes since the last report; a load counts as failed if it failed on any worker."""
+    """Outcomes since the last report; a load counts as failed if it failed on any worker.
+
+    ``save_room``: bytes the fullest worker's save queue could take when the
+    report was built (None: no saver). A snapshot, not an event, so it is
+    current whatever order the outcomes before it arrived in.
+    """
 
     loads: dict[str, LoadOutcome] = dataclasses.field(default_factory=dict)
     saves: list[SaveOutcome] = dataclasses.field(default_factory=list)
+    save_room: int | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVCodecWorkerReport":
         assert isinstance(other, KVCodecWorkerReport)
         loads = dict(self.loads)
         for req_id, outcome in other.loads.items():
             loads[req_id] = loads[req_id].merge(outcome) if req_id in loads else outcome
-        return KVCodecWorkerReport(loads, self.saves + other.saves)
+        rooms = [r for r in (self.save_room, other.save_room) if r is not None]
+        return KVCodecWorkerReport(loads, self.saves + other.saves, min(rooms) if rooms else None)
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.saves)

@@ -98,6 +98,7 @@ class _Tracked:
     tail: _Tail | None = None  # the stored tail found at the last lookup (prompt_tails)
     tail_planned: bool = False  # this request's own tail was planned for saving (or needs none)
     tail_save: str = ""  # the key its own tail was saved under
+    awaiting_room: dict[int, int] = dataclasses.field(default_factory=dict)  # chunk (TAIL: tail) -> bytes it needs
 
 
 class SchedulerHalf:
@@ -116,6 +117,7 @@ class SchedulerHalf:
         self.claims = SaveClaims()
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
         self._requests: dict[str, _Tracked] = {}
+        self._awaiting_room: dict[str, None] = {}  # requests with saves dropped for want of queue room, oldest first
         self._pending_loads: list[LoadSpec] = []
         # fp8 caches are keyed with their layers' scales, which only the workers know (adopt_handshake).
         self._awaiting_identity = is_fp8(namespace.dtype)
@@ -337,7 +339,7 @@ class SchedulerHalf:
         hashes = self._hashes(tracked, full)
         saves = []
         for c in range(tracked.next_save, full):
-            if tracked.save_attempts[c] >= MAX_SAVE_ATTEMPTS:
+            if tracked.save_attempts[c] >= MAX_SAVE_ATTEMPTS or c in tracked.awaiting_room:
                 continue
             if not self.claims.claim(hashes[c]):
                 self.stats.add(saves_deduplicated=1)
@@ -363,7 +365,7 @@ class SchedulerHalf:
         tracked.tail_planned = True
         align = self.cache_groups.hit_alignment
         index, tokens = divmod((tracked.request.num_prompt_tokens - 1) // align * align, self.chunk)
-        if not tokens or tracked.save_attempts[TAIL] >= MAX_SAVE_ATTEMPTS:
+        if not tokens or tracked.save_attempts[TAIL] >= MAX_SAVE_ATTEMPTS or TAIL in tracked.awaiting_room:
             return []
         chunk_hash = tail_hash(self.namespace, tracked.request.all_token_ids, self._hashes(tracked, index), tokens,
                                tracked.identity)
@@ -409,6 +411,8 @@ class SchedulerHalf:
             self._load_settled(req_id, outcome)
         for save in report.saves:
             self._save_settled(save)
+        if report.save_room is not None:
+            self._room_freed(report.save_room)
 
     def _load_settled(self, req_id: str, outcome: LoadOutcome) -> None:
         load = self.ledger.settle(req_id)
@@ -449,20 +453,56 @@ class SchedulerHalf:
             return
         self.claims.release(save.chunk_hash)
         tracked = self._requests.get(save.req_id)
-        if tracked is not None and save.chunk_hash in tracked.hashes:
-            # Still holding the chunk's blocks: plan the save again (bounded by MAX_SAVE_ATTEMPTS).
-            tracked.next_save = min(tracked.next_save, tracked.hashes.index(save.chunk_hash))
-        elif tracked is not None and save.chunk_hash == tracked.tail_save:
-            tracked.tail_planned = False  # its prompt tail: planned again next step, while it holds the blocks
+        if tracked is None:
+            return
+        if save.chunk_hash in tracked.hashes:
+            chunk = tracked.hashes.index(save.chunk_hash)
+        elif save.chunk_hash == tracked.tail_save:
+            chunk = TAIL
+        else:
+            return
+        if save.needs_room:
+            tracked.awaiting_room[chunk] = max(save.needs_room, tracked.awaiting_room.get(chunk, 0))
+            self._awaiting_room.setdefault(save.req_id)
+        else:
+            self._plan_again(tracked, chunk)
+
+    @staticmethod
+    def _plan_again(tracked: _Tracked, chunk: int) -> None:
+        """Still holding the chunk's blocks: plan its save again next step (bounded by MAX_SAVE_ATTEMPTS)."""
+        if chunk == TAIL:
+            tracked.tail_planned = False
+        else:
+            tracked.next_save = min(tracked.next_save, chunk)
+
+    def _room_freed(self, room: int) -> None:
+        """Plan again, oldest first, the saves dropped for want of queue room that the room now holds.
+
+        Retrying them every step would spend their few attempts within
+        milliseconds, long before a put drains the queue; they wait for a
+        report whose room covers them instead (the room is a snapshot taken
+        after every outcome it travels with, so none waits for a freeing that
+        has already happened), and only as many as it holds are planned.
+        """
+        for req_id in list(self._awaiting_room):
+            tracked = self._requests.get(req_id)
+            for chunk, needed in list(tracked.awaiting_room.items()) if tracked is not None else []:
+                if needed > room:
+                    return
+                room -= needed
+                del tracked.awaiting_room[chunk]
+                self._plan_again(tracked, chunk)
+            del self._awaiting_room[req_id]
 
     # ---- end ------------------------------------------------------------------------
     def request_finished(self, request: "Request") -> None:
         self._requests.pop(request.request_id, None)  # its load, if in flight, stays in the ledger
+        self._awaiting_room.pop(request.request_id, None)
 
     def state(self) -> dict[str, Any]:
         """What is held between steps (tests check it is empty once the engine is)."""
         return {"requests": list(self._requests), "pending_loads": len(self._pending_loads),
-                "inflight_loads": self.ledger.inflight_requests()}
+                "inflight_loads": self.ledger.inflight_requests(), "awaiting_room": list(self._awaiting_room)}
 
     def shutdown(self) -> None:
         self.store.close()

@@ -111,6 +111,7 @@ class WorkerHalf:
                            self.config.max_pending_save_bytes, self.stats, report=self._save_settled,
                            nice=self.config.save_thread_nice)
         self.save_gather = save_gather_for(caches, ordered, self.saver, self.layer_cache_groups, self.objects)
+        self._check_save_room()
         self.chooser.token_axis = self.objects.token_axis
         if self.chooser.auto:
             self._probe_round_trip(addresses)
@@ -118,6 +119,14 @@ class WorkerHalf:
                     "%d fetch / %d decode threads", len(names), len(self.groups), len(self.cache_groups.groups),
                     ", ".join(g.label for g in self.cache_groups.groups), ordered[0].layout_id,
                     redact_url(self.config.store), self.chooser.fixed or "auto", threads.fetch, threads.decode)
+
+    def _check_save_room(self) -> None:
+        """A cap below one chunk would drop every save, silently but for a counter: refuse it at start-up."""
+        chunk = self.save_gather.chunk_nbytes(self.config.chunk_size)
+        if chunk > self.config.max_pending_save_bytes:
+            raise ConfigError(f"max_pending_save_bytes {self.config.max_pending_save_bytes} is below one chunk's KV "
+                              f"on this worker ({chunk} bytes for chunk_size {self.config.chunk_size}): no save "
+                              f"could ever be queued; raise it to at least {chunk} or lower chunk_size")
 
     def _probe_round_trip(self, addresses: ObjectAddresses, probes: int = 3) -> None:
         """The store's latency (empty lookups), which codec ``auto`` must not read as bandwidth."""
@@ -257,7 +266,9 @@ class WorkerHalf:
         with self._outcome_lock:
             saves, self._save_outcomes = self._save_outcomes, []
         loads, self._load_outcomes = self._load_outcomes, {}
-        return KVCodecWorkerReport(loads, saves) if loads or saves else None
+        if not loads and not saves:
+            return None
+        return KVCodecWorkerReport(loads, saves, None if self.saver is None else self.saver.room())
 
     def _save_settled(self, outcome: SaveOutcome) -> None:
         with self._outcome_lock:
@@ -279,7 +290,8 @@ class WorkerHalf:
         for spec, reason in self.save_gather.end_step(meta.saves, self._computed_over_good_kv):
             if reason == "incomplete":
                 self.stats.add(saves_incomplete=1)
-            self._save_settled(SaveOutcome(spec.req_id, spec.chunk_hash, landed=False))  # planned again
+            needs = self.save_gather.chunk_nbytes(len(spec.group_slots[0])) if reason == "no room" else 0
+            self._save_settled(SaveOutcome(spec.req_id, spec.chunk_hash, landed=False, needs_room=needs))  # planned again
 
     def _computed_over_good_kv(self, spec: SaveSpec) -> bool:
         """False when a load of the request failed after the plan was made: the chunk may rest on missing KV."""

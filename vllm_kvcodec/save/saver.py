@@ -86,6 +86,11 @@ class Saver:
             self._pending += nbytes
             return True
 
+    def room(self) -> int:
+        """Bytes the save queue can take now (what a save dropped for lack of room waits for)."""
+        with self._lock:
+            return self.max_pending - self._pending
+
     def unreserve(self, nbytes: int) -> None:
         """Give back a reservation whose chunk will not be submitted."""
         with self._lock:
@@ -103,7 +108,7 @@ class Saver:
         with self._lock:
             if not reserved and self._pending + nbytes > self.max_pending:
                 self._drop("at submit")
-                self.report(SaveOutcome(req_id, chunk_hash, landed=False))
+                self.report(SaveOutcome(req_id, chunk_hash, landed=False, needs_room=nbytes))
                 return False
             if not reserved:
                 self._pending += nbytes
