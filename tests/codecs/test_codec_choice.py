@@ -5,9 +5,13 @@ from __future__ import annotations
 from vllm_kvcodec.codecs.choice import CodecChooser
 
 
-def feed(chooser: CodecChooser, gbps: float) -> None:
-    for _ in range(40):  # enough samples for the moving average to settle
-        chooser.observe_transfer(8 << 20, (8 << 20) * 8 / (gbps * 1e9))
+def feed(chooser: CodecChooser, gbps: float, nbytes: int = 8 << 20, rtt: float = 0.0) -> None:
+    """A window's worth of reads one after another, on a clock of their own (their times, not the test's)."""
+    end = feed.clock = getattr(feed, "clock", 0.0) + 1000.0
+    for _ in range(40):
+        seconds = rtt + nbytes * 8 / (gbps * 1e9)
+        end += seconds
+        chooser.observe_read(nbytes, seconds, end=end)
 
 
 def test_auto_follows_the_link(real_chunks) -> None:
@@ -34,21 +38,42 @@ def test_fixed_codec_is_never_replaced(real_chunks) -> None:
 def test_small_transfers_do_not_pose_as_bandwidth() -> None:
     chooser = CodecChooser("auto", initial_gbps=10)
     before = chooser.bandwidth_bytes_per_s
-    chooser.observe_transfer(100, 1.0)
+    chooser.observe_read(100, 1.0)
     assert chooser.bandwidth_bytes_per_s == before
 
 
 def test_latency_does_not_pose_as_a_slow_link() -> None:
-    """10 ms of round trip on a 10 Gbit/s link: 3.9 MB puts take 13 ms; net of the round trip they say 10 Gbit/s."""
+    """10 ms of round trip on a 10 Gbit/s link: 3.9 MB reads take 13 ms; net of the round trip they say 10 Gbit/s."""
     chooser = CodecChooser("auto", initial_gbps=10)
     nbytes, rtt = 3_900_000, 0.010
     chooser.observe_round_trip(0.012)
     chooser.observe_round_trip(rtt)  # the least seen is the latency
     chooser.observe_round_trip(0.011)
-    for _ in range(40):
-        chooser.observe_transfer(nbytes, rtt + nbytes * 8 / 10e9)
+    feed(chooser, 10, nbytes, rtt)
     assert abs(chooser.bandwidth_bytes_per_s * 8 / 1e9 - 10) < 0.01
     blind = CodecChooser("auto", initial_gbps=10)
-    for _ in range(40):
-        blind.observe_transfer(nbytes, rtt + nbytes * 8 / 10e9)
+    feed(blind, 10, nbytes, rtt)
     assert blind.bandwidth_bytes_per_s * 8 / 1e9 < 2.5  # what auto believed before
+
+
+def test_concurrent_reads_add_up_to_the_link() -> None:
+    """Four fetch threads sharing a 100 Gbit/s link: each 8 MiB read takes 4x its wire time, together they move
+    100 Gbit/s. Read one by one they said 25 Gbit/s."""
+    chooser = CodecChooser("auto", initial_gbps=1)
+    wire = (8 << 20) * 8 / 100e9
+    for batch in range(8):
+        start = 50.0 + batch * 4 * wire
+        for thread in range(4):  # started together, served one after another on the shared link
+            chooser.observe_read(8 << 20, (thread + 1) * wire, end=start + (thread + 1) * wire)
+    assert abs(chooser.bandwidth_bytes_per_s * 8 / 1e9 - 100) < 0.5
+
+
+def test_reads_overrule_writes() -> None:
+    """A saving instance's puts (a file store writing pages) run below its reads; once a read is seen,
+    only reads count."""
+    chooser = CodecChooser("auto", initial_gbps=10)
+    chooser.observe_write(8 << 20, (8 << 20) * 8 / 2e9, end=10.0)
+    assert abs(chooser.bandwidth_bytes_per_s * 8 / 1e9 - 2) < 0.01  # writes are all it knows: better than nothing
+    feed(chooser, 40)
+    chooser.observe_write(8 << 20, (8 << 20) * 8 / 2e9)
+    assert abs(chooser.bandwidth_bytes_per_s * 8 / 1e9 - 40) < 0.01

@@ -410,6 +410,17 @@ def test_contract_details(tmp_path, store) -> None:
         make(tmp_path, store, policy="recompute", on_load_failure="fail")
 
 
+def test_auto_reads_a_probe_at_start_up_and_leaves_nothing(tmp_path, store) -> None:
+    """codec auto learns the store's read bandwidth before the first save: puts alone misread it."""
+    from storage import open_store
+
+    e = make(tmp_path, store, codec="auto")
+    assert e.worker.worker.chooser.link.measured
+    with open_store(store) as s:
+        assert list(s.keys()) == []
+    e.shutdown()
+
+
 def test_the_harness_catches_a_poisoned_local_hit(tmp_path, store, monkeypatch) -> None:
     """Without the eviction, the abort-before-recompute case reads KV that was never written."""
     from vllm_kvcodec.connector.scheduler_half import SchedulerHalf

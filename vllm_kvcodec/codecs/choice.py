@@ -6,14 +6,10 @@ two stages: ``max(raw / (ratio * link), raw / (decode_speed * decoders))``.
 On a fast link raw wins (nothing to decode), on a slow one the densest codec
 does. Each candidate's ratio and steady-state decode speed (after one untimed
 warm-up decode, best of three) are measured once on this machine on the first
-real chunk saved; the link bandwidth starts from the first transfer this
-process makes, then follows a moving average of its own store transfers
-(objects of at least 64 KiB), each less the store's round trip (measured by
-:meth:`CodecChooser.observe_round_trip`, the worker's empty lookups at
-start-up): with 10 ms of latency a 3.9 MB put took 13 ms, which read as 2.4
-Gbit/s on a 10 Gbit/s link and made ``auto`` pick a dense codec that cost
-11% of TTFT against raw. Every change of choice is logged with the figures
-behind it.
+real chunk saved; the link bandwidth is what :mod:`.link_estimate` makes of
+this process's reads (the fetcher's, and the worker's probe at start-up),
+and of its writes until a read is seen. Every change of choice is logged
+with the figures behind it.
 """
 
 from __future__ import annotations
@@ -27,12 +23,11 @@ from typing import Any
 import torch
 
 from vllm_kvcodec.codecs import Codec, get_codec
+from vllm_kvcodec.codecs.link_estimate import LinkEstimate
 from vllm_kvcodec.codecs.policy import AUTO, AUTO_CANDIDATES, encode_rank
 from vllm_kvcodec.format import decode_chunk, encode_chunk
 
 logger = logging.getLogger("vllm_kvcodec")
-
-MIN_SAMPLE_BYTES = 64 << 10
 
 
 class CodecChooser:
@@ -43,35 +38,29 @@ class CodecChooser:
         self.auto = spec == AUTO
         self.behind = behind  # faster to encode, for chunks saved while a round of saves waits behind them
         self.decoders = max(1, decoders)  # threads that decode in parallel (at most the cores)
-        self._measured = False
         self.fixed: Codec | None = None if self.auto else get_codec(spec)
         self.candidates = [get_codec(c) for c in candidates]
         self.profile: dict[str, dict[str, float]] = {}
-        self._bandwidth = initial_gbps * 1e9 / 8  # bytes/s until measured
+        self.link = LinkEstimate(initial_gbps * 1e9 / 8)  # bytes/s: the initial figure until measured
         self._lock = threading.Lock()
         self._current: Codec | None = None
-        self._round_trip = 0.0  # seconds of a transfer of no bytes: latency, not bandwidth
         # Which axis of a stored object a per-channel codec reads as tokens (the object layout's say).
         self.token_axis: Callable[[int], int | None] = lambda ndim: None
 
     # ---- observations ---------------------------------------------------------------
     def observe_round_trip(self, seconds: float) -> None:
-        """A store call that moved no bytes: the latency every later transfer sample is net of (the least seen)."""
-        if seconds > 0:
-            with self._lock:
-                self._round_trip = seconds if not self._round_trip else min(self._round_trip, seconds)
+        """A store call that moved no bytes: latency, which later transfers are taken net of."""
+        self.link.observe_round_trip(seconds)
 
-    def observe_transfer(self, nbytes: int, seconds: float) -> None:
-        if nbytes < MIN_SAMPLE_BYTES or seconds <= 0:
-            return
-        with self._lock:
-            sample = nbytes / max(seconds - self._round_trip, 0.1 * seconds)
-            self._bandwidth = 0.8 * self._bandwidth + 0.2 * sample if self._measured else sample
-            self._measured = True
+    def observe_read(self, nbytes: int, seconds: float, end: float | None = None) -> None:
+        self.link.observe(nbytes, seconds, read=True, end=end)
+
+    def observe_write(self, nbytes: int, seconds: float, end: float | None = None) -> None:
+        self.link.observe(nbytes, seconds, read=False, end=end)
 
     @property
     def bandwidth_bytes_per_s(self) -> float:
-        return self._bandwidth
+        return self.link.bytes_per_s
 
     def _calibrate(self, sample: torch.Tensor) -> None:
         raw = sample.numel() * sample.element_size()
@@ -108,7 +97,7 @@ class CodecChooser:
 
     def _expected_seconds_per_byte(self, codec: Codec) -> float:
         p = self.profile[codec.codec_id]
-        return max(1.0 / (p["ratio"] * self._bandwidth), 1.0 / (p["decode_Bps"] * self.decoders))
+        return max(1.0 / (p["ratio"] * self.bandwidth_bytes_per_s), 1.0 / (p["decode_Bps"] * self.decoders))
 
     def _log_choice(self, codec: Codec) -> None:
         figures = ", ".join(
@@ -116,7 +105,7 @@ class CodecChooser:
         )
         logger.info(
             "kvcodec auto: link %.2f Gbit/s -> saving with %s (%s)",
-            self._bandwidth * 8 / 1e9, codec.codec_id, figures,
+            self.bandwidth_bytes_per_s * 8 / 1e9, codec.codec_id, figures,
         )
 
 

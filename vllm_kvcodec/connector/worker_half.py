@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm_kvcodec")
 #: How long an idle step waits for an async load: a request arriving meanwhile is scheduled that much later.
 IDLE_POLL_S = 0.01
+#: The object codec ``auto`` reads back at start-up to learn the store's read bandwidth (34 ms at 1 Gbit/s).
+PROBE_BYTES = 4 << 20
 
 
 class WorkerHalf:
@@ -105,7 +108,7 @@ class WorkerHalf:
                                reads_in_memory=self.store.reads_in_memory)
         self.chooser.decoders = threads.decode
         self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered, threads.fetch,
-                                              self.stats, self.chooser.observe_transfer,
+                                              self.stats, self.chooser.observe_read,
                                               cache_groups=self.layer_cache_groups, decode_threads=threads.decode)
         self.saver = Saver(self.store, addresses, self.chooser, self.config.save_threads,
                            self.config.max_pending_save_bytes, self.stats, report=self._save_settled,
@@ -114,7 +117,7 @@ class WorkerHalf:
         self._check_save_room()
         self.chooser.token_axis = self.objects.token_axis
         if self.chooser.auto:
-            self._probe_round_trip(addresses)
+            self._probe_link(addresses)
         logger.info("kvcodec: %d KV layers in %d groups (%d KV cache groups: %s), layout %s, store %s, codec %s, "
                     "%d fetch / %d decode threads", len(names), len(self.groups), len(self.cache_groups.groups),
                     ", ".join(g.label for g in self.cache_groups.groups), ordered[0].layout_id,
@@ -128,16 +131,32 @@ class WorkerHalf:
                               f"on this worker ({chunk} bytes for chunk_size {self.config.chunk_size}): no save "
                               f"could ever be queued; raise it to at least {chunk} or lower chunk_size")
 
-    def _probe_round_trip(self, addresses: ObjectAddresses, probes: int = 3) -> None:
-        """The store's latency (empty lookups), which codec ``auto`` must not read as bandwidth."""
-        key = addresses.key("0" * 32, 0)  # a key of the namespace's shape that no chunk has
-        for _ in range(probes):
-            t0 = time.perf_counter()
-            try:
+    def _probe_link(self, addresses: ObjectAddresses, probes: int = 3) -> None:
+        """What codec ``auto`` needs before the first load: the store's latency (empty lookups, which no
+        transfer must read as bandwidth) and its read bandwidth (a probe object put, read back, deleted).
+
+        A saving instance otherwise knows only its puts, which run far below
+        its reads (a file store writing pages): auto then saved denser codecs
+        where raw loaded fastest. A store that refuses the probe (read-only,
+        down) leaves the estimate to the transfers that follow.
+        """
+        key = addresses.key(os.urandom(16).hex(), 0)  # a key of the namespace's shape that no chunk has
+        try:
+            for _ in range(probes):
+                t0 = time.perf_counter()
                 self.store.exists_many([key])
-            except Exception:  # noqa: BLE001 - a store not up yet: no latency figure, auto starts without it
-                return
-            self.chooser.observe_round_trip(time.perf_counter() - t0)
+                self.chooser.observe_round_trip(time.perf_counter() - t0)
+            self.store.put(key, bytes(PROBE_BYTES))
+            try:
+                for _ in range(probes):
+                    t0 = time.perf_counter()
+                    blob = self.store.get(key)
+                    t1 = time.perf_counter()
+                    self.chooser.observe_read(len(blob or b""), t1 - t0, end=t1)
+            finally:
+                self.store.delete(key)
+        except Exception as exc:  # noqa: BLE001 - a store not up yet: auto starts from its initial figure
+            logger.info("kvcodec auto: probing the store failed (%s); the link estimate starts from transfers", exc)
 
     def _check_layouts(self, names: list[str], layouts: dict[str, Any]) -> None:
         """Every layer in the namespace's dtype and one geometry (and canonical, for canonical objects): what one stored object can hold."""

@@ -149,14 +149,14 @@ class Fetcher:
         layouts: list[PagedLayout],
         threads: int,
         stats: ConnectorStats,
-        observe_transfer: Callable[[int, float], None] | None = None,
+        observe_read: Callable[..., None] | None = None,
         placement: Placement | None = None,
         cache_groups: list[int] | None = None,
         decode_threads: int | None = None,
     ) -> None:
         """``decode_threads``: threads that decode and scatter (None: the fetch threads do it themselves)."""
         self.store, self.addresses = store, addresses
-        self.observe_transfer = observe_transfer  # feeds the link estimate of codec "auto"
+        self.observe_read = observe_read  # (nbytes, seconds, end=): feeds the link estimate of codec "auto"
         self.groups, self.caches, self.layouts, self.stats = addresses.groups, caches, layouts, stats
         self.placement = placement if placement is not None else HostPlacement(caches, layouts, cache_groups)
         self.objects = self.placement.objects = object_layout_for(addresses.namespace.layout_id)
@@ -203,9 +203,10 @@ class Fetcher:
                 fetched = True
             except Exception as exc:  # noqa: BLE001 - the whole batch is recomputed
                 error = exc
-        fetch_s = time.perf_counter() - t0
-        if error is None and self.observe_transfer is not None:
-            self.observe_transfer(sum(len(b) for b in blobs if b is not None), fetch_s)
+        t1 = time.perf_counter()
+        fetch_s = t1 - t0
+        if error is None and self.observe_read is not None:
+            self.observe_read(sum(len(b) for b in blobs if b is not None), fetch_s, end=t1)
         self.stats.add(fetch_s=fetch_s, fetch_batches=1)
         self.stats.sample(fetch_s=fetch_s)
         objects = [(job, group, index, chunk, key, blob, error, fetched)

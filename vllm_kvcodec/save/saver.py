@@ -170,7 +170,7 @@ class Saver:
             self.store.put_many(items)
             t2 = time.perf_counter()
             stored = sum(len(v) for _, v in items)
-            self.chooser.observe_transfer(stored, t2 - t1)
+            self.chooser.observe_write(stored, t2 - t1, end=t2)
             self.stats.add(saved_chunks=1, saved_objects=len(items), saved_tokens=tokens,
                            saved_bytes=stored, saved_raw_bytes=nbytes, encode_s=t1 - t0, put_s=t2 - t1,
                            **{f"codec_{codec.codec_id}_saves": 1},
