@@ -263,6 +263,10 @@ class PagedLayout(abc.ABC):
         """
         self.check_cache(layer_cache)
         ids, cache = self._block_ids(layer_cache, block_ids), self._elements(layer_cache)
+        if out is not None:  # pages_shape keeps the cache's own axes; the element view may drop a unit axis (MLA)
+            shape = list(cache.shape)
+            shape[self.block_axis] = ids.numel()
+            out = out.view(shape)
         if cache.dtype in FLOAT8_DTYPES:  # index kernels take no float8: the same bytes, moved as uint8
             got = torch.index_select(cache.view(torch.uint8), self.block_axis, ids,
                                      out=None if out is None else out.view(torch.uint8))
