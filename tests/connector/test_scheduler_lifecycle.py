@@ -363,6 +363,37 @@ def test_second_turn_loads_every_chunk_the_first_turn_computed(tmp_path, store, 
     f.assert_empty()
 
 
+# ---- saves left to another request ----------------------------------------------------------
+def test_a_save_left_to_a_request_whose_save_failed_is_made_by_the_one_still_holding_it(tmp_path) -> None:
+    """Two requests share a new prefix; the first claims its chunks, finishes, and its puts fail after it is
+    gone. The second skipped them for its claim: it saves them once the failure is reported."""
+    from storage.testing.faults import find_fault_injector
+
+    url = f"file://{tmp_path / 'store'}"
+    state = {"phase": 0}
+
+    def outage_for_the_first_saves(engine: Engine, out: Any) -> None:
+        faults = find_fault_injector(engine.worker.worker.store)
+        if state["phase"] == 0 and out.kv_connector_metadata.saves:
+            faults.down()  # after the plans, before the worker gathers and puts
+            state["phase"] = 1
+        elif state["phase"] == 1:
+            assert engine.worker.flush(30)  # those puts have failed by now
+            faults.up()
+            state["phase"] = 2
+
+    e = make(tmp_path, f"faults+{url}", store_retry_s=0, hooks={"before_forward": outage_for_the_first_saves})
+    shared = prompt(64, 11)
+    e.add("first", shared + prompt(6, 12), max_tokens=1)
+    e.add("second", shared + prompt(6, 13), max_tokens=12)
+    e.run()
+    e.flush()
+    assert state["phase"] == 2 and e.stats()["save_failures"] >= 2
+    assert e.scheduler_stats()["saves_deduplicated"] >= 2
+    e.assert_empty()
+    assert reload(make(tmp_path, url), shared + prompt(6, 14)) == 64
+
+
 # ---- saves past the memory cap --------------------------------------------------------------
 CHUNK_BYTES = 256 * 512  # a 256-token chunk of the harness's two bf16 layers (2 KV x 2 heads x 32 dims)
 

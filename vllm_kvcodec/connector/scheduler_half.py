@@ -99,6 +99,7 @@ class _Tracked:
     tail_planned: bool = False  # this request's own tail was planned for saving (or needs none)
     tail_save: str = ""  # the key its own tail was saved under
     awaiting_room: dict[int, int] = dataclasses.field(default_factory=dict)  # chunk (TAIL: tail) -> bytes it needs
+    waiting_on: set[str] = dataclasses.field(default_factory=set)  # chunks it left to another request's save
 
 
 class SchedulerHalf:
@@ -118,6 +119,7 @@ class SchedulerHalf:
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
         self._requests: dict[str, _Tracked] = {}
         self._awaiting_room: dict[str, None] = {}  # requests with saves dropped for want of queue room, oldest first
+        self._waiters: dict[str, set[str]] = {}  # chunk hash -> requests that left its save to another's claim
         self._pending_loads: list[LoadSpec] = []
         # fp8 caches are keyed with their layers' scales, which only the workers know (adopt_handshake).
         self._awaiting_identity = is_fp8(namespace.dtype)
@@ -342,7 +344,7 @@ class SchedulerHalf:
             if tracked.save_attempts[c] >= MAX_SAVE_ATTEMPTS or c in tracked.awaiting_room:
                 continue
             if not self.claims.claim(hashes[c]):
-                self.stats.add(saves_deduplicated=1)
+                self._wait_for(tracked, hashes[c])
                 continue
             if not self._blocks_held(tracked, c):
                 self.claims.release(hashes[c])  # whoever computes it next saves it
@@ -354,6 +356,12 @@ class SchedulerHalf:
         if self.config.prompt_tails and not tracked.tail_planned and tracked.computed + scheduled >= tracked.request.num_prompt_tokens:
             saves.extend(self._plan_tail(tracked))
         return saves
+
+    def _wait_for(self, tracked: _Tracked, chunk_hash: str) -> None:
+        """Leave the chunk to the request saving it, but hear if that save does not land (see _save_settled)."""
+        self.stats.add(saves_deduplicated=1)
+        tracked.waiting_on.add(chunk_hash)
+        self._waiters.setdefault(chunk_hash, set()).add(tracked.request.request_id)
 
     def _save_spec(self, tracked: _Tracked, chunk_hash: str, first: int, tokens: int) -> SaveSpec:
         slots = [slots_for_tokens(table, bs, first, first + tokens).tolist() for table, bs in zip(tracked.block_ids, self.block_sizes)]
@@ -372,7 +380,8 @@ class SchedulerHalf:
         if tracked.tail is not None and tracked.tail.chunk_hash == chunk_hash:
             return []  # it came from the store
         if not self.claims.claim(chunk_hash):
-            self.stats.add(saves_deduplicated=1)
+            tracked.tail_save = chunk_hash  # another request's save of the same tail: planned again if it fails
+            self._wait_for(tracked, chunk_hash)
             return []
         if not self._blocks_held(tracked, index, tokens):
             self.claims.release(chunk_hash)
@@ -448,22 +457,32 @@ class SchedulerHalf:
             self.stats.add(blocks_evicted_after_load_failure=len(blocks))
 
     def _save_settled(self, save: SaveOutcome) -> None:
+        waiters = self._waiters.pop(save.chunk_hash, set())
         if save.landed:
             self.ledger.replaced(save.chunk_hash)
             return
         self.claims.release(save.chunk_hash)
+        # Requests that skipped the chunk for this save and still hold it save it instead: the one that claimed it
+        # may have finished before its save failed (a burst's first request, an outage's last).
+        for req_id in waiters - {save.req_id}:
+            if (waiter := self._requests.get(req_id)) is not None:
+                waiter.waiting_on.discard(save.chunk_hash)
+                self._replan(waiter, save.chunk_hash, 0)
         tracked = self._requests.get(save.req_id)
-        if tracked is None:
-            return
-        if save.chunk_hash in tracked.hashes:
-            chunk = tracked.hashes.index(save.chunk_hash)
-        elif save.chunk_hash == tracked.tail_save:
+        if tracked is not None:
+            self._replan(tracked, save.chunk_hash, save.needs_room)
+
+    def _replan(self, tracked: _Tracked, chunk_hash: str, needs_room: int) -> None:
+        """Plan a save of one of ``tracked``'s chunks again, now or (``needs_room``) once the queue has room."""
+        if chunk_hash in tracked.hashes:
+            chunk = tracked.hashes.index(chunk_hash)
+        elif chunk_hash == tracked.tail_save:
             chunk = TAIL
         else:
             return
-        if save.needs_room:
-            tracked.awaiting_room[chunk] = max(save.needs_room, tracked.awaiting_room.get(chunk, 0))
-            self._awaiting_room.setdefault(save.req_id)
+        if needs_room:
+            tracked.awaiting_room[chunk] = max(needs_room, tracked.awaiting_room.get(chunk, 0))
+            self._awaiting_room.setdefault(tracked.request.request_id)
         else:
             self._plan_again(tracked, chunk)
 
@@ -496,13 +515,20 @@ class SchedulerHalf:
 
     # ---- end ------------------------------------------------------------------------
     def request_finished(self, request: "Request") -> None:
-        self._requests.pop(request.request_id, None)  # its load, if in flight, stays in the ledger
+        tracked = self._requests.pop(request.request_id, None)  # its load, if in flight, stays in the ledger
         self._awaiting_room.pop(request.request_id, None)
+        for chunk_hash in tracked.waiting_on if tracked is not None else ():
+            waiters = self._waiters.get(chunk_hash)
+            if waiters is not None:
+                waiters.discard(request.request_id)
+                if not waiters:
+                    del self._waiters[chunk_hash]
 
     def state(self) -> dict[str, Any]:
         """What is held between steps (tests check it is empty once the engine is)."""
         return {"requests": list(self._requests), "pending_loads": len(self._pending_loads),
-                "inflight_loads": self.ledger.inflight_requests(), "awaiting_room": list(self._awaiting_room)}
+                "inflight_loads": self.ledger.inflight_requests(), "awaiting_room": list(self._awaiting_room),
+                "waiters": list(self._waiters)}
 
     def shutdown(self) -> None:
         self.store.close()
