@@ -41,7 +41,7 @@ from vllm_kvcodec.malloc_tuning import reuse_large_buffers
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, SaveOutcome, SaveSpec
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, layouts_for, shared_kv_layers
 from vllm_kvcodec.paged.objects import object_layout_for
-from vllm_kvcodec.save.gather import SaveGather, save_gather_for
+from vllm_kvcodec.save.gather import SaveGather, chunk_nbytes, save_gather_for
 from vllm_kvcodec.save.saver import Saver
 from vllm_kvcodec.stats import ConnectorStats
 from vllm_kvcodec.connector.store_access import open_connector_store
@@ -102,6 +102,7 @@ class WorkerHalf:
         caches = [own[n] for n in names]
         ordered = [layouts[n] for n in names]
         self.caches, self.layouts = caches, ordered
+        self._check_save_room()
         self.layer_cache_groups = [self.cache_groups.of_layer(n) for n in names]
         addresses = ObjectAddresses(self.namespace, self.tp_rank, tuple(self.groups))
         threads = load_threads(self.config.fetch_threads, self.config.decode_threads, on_device=caches[0].is_cuda,
@@ -114,7 +115,6 @@ class WorkerHalf:
                            self.config.max_pending_save_bytes, self.stats, report=self._save_settled,
                            nice=self.config.save_thread_nice)
         self.save_gather = save_gather_for(caches, ordered, self.saver, self.layer_cache_groups, self.objects)
-        self._check_save_room()
         self.chooser.token_axis = self.objects.token_axis
         if self.chooser.auto:
             self._probe_link(addresses)
@@ -124,8 +124,9 @@ class WorkerHalf:
                     redact_url(self.config.store), self.chooser.fixed or "auto", threads.fetch, threads.decode)
 
     def _check_save_room(self) -> None:
-        """A cap below one chunk would drop every save, silently but for a counter: refuse it at start-up."""
-        chunk = self.save_gather.chunk_nbytes(self.config.chunk_size)
+        """A cap below one chunk would drop every save, silently but for a counter: refuse it at start-up
+        (before any thread starts)."""
+        chunk = chunk_nbytes(self.layouts, self.config.chunk_size)
         if chunk > self.config.max_pending_save_bytes:
             raise ConfigError(f"max_pending_save_bytes {self.config.max_pending_save_bytes} is below one chunk's KV "
                               f"on this worker ({chunk} bytes for chunk_size {self.config.chunk_size}): no save "

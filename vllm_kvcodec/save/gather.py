@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 SaveSpecLike = Any
 
 
+def chunk_nbytes(layouts: Sequence["PagedLayout"], tokens: int) -> int:
+    """Raw bytes one worker gathers for ``tokens`` of every layer (what the save budget counts)."""
+    return len(layouts) * tokens * layouts[0].token_nbytes()
+
+
 class SaveGather(abc.ABC):
     def __init__(self, caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: Any,
                  cache_groups: list[int] | None = None, objects: ObjectLayout | None = None) -> None:
@@ -51,7 +56,7 @@ class SaveGather(abc.ABC):
         self._layers_done: dict[int, int] = {}
 
     def chunk_nbytes(self, tokens: int) -> int:
-        return len(self.caches) * tokens * self.layouts[0].token_nbytes()
+        return chunk_nbytes(self.layouts, tokens)
 
     def chunk_shape(self, tokens: int) -> tuple[int, ...]:
         """All layers of one chunk, as the object layout stores them (split into layer groups by the Saver)."""
