@@ -6,8 +6,9 @@ when a save of it is planned; the claim is released when the worker reports
 that the save did not land (dropped by the memory cap or an outage, failed,
 or computed over a failed load), so the next request that computes the chunk
 saves it again (the scheduler half also wakes the requests that skipped the
-chunk for the claim and still hold it), and it expires after ``CLAIM_TTL_S`` in case the report is
-lost. A landed save keeps its claim until then: later lookups find the chunk.
+chunk for the claim and still hold it), and it expires after ``CLAIM_TTL_S``
+in case the report is lost. A landed save keeps its claim until then: later
+lookups find the chunk.
 """
 
 from __future__ import annotations
