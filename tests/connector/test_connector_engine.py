@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engine import BLOCK, assert_paged_kv_equals_stored, connector_config, engine, greedy, worker_connector
+from tests.support.engine import (BLOCK, assert_paged_kv_equals_stored, connector_config, engine, greedy, pool_torch_threads,
+                                  worker_connector)
 
 pytestmark = pytest.mark.engine
 
@@ -85,6 +86,7 @@ def test_bf16_loads_match_local_prefix_cache(codec: str, store: str, load_mode: 
             assert conn.flush(120)
         stats = conn.stats()
         assert stats.get("load_failures", 0) == 0 and stats.get("save_failures", 0) == 0
+        assert pool_torch_threads(conn) == {1}
         assert any(k.startswith("codec_") and k.endswith("_loads") for k in stats)
         if codec != "auto":
             assert stats[f"codec_{codec}_loads"] > 0

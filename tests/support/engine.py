@@ -79,6 +79,21 @@ def worker_connector() -> Any:
     return workers[-1]
 
 
+def pool_torch_threads(conn: Any) -> set[int]:
+    """``torch.get_num_threads()`` as each of the worker's fetch, decode and save threads sees it.
+
+    Inside vLLM's CPU worker ``torch.set_num_threads`` is a logging no-op, so
+    a pool initializer that calls it leaves 2+ threads, and the pool's torch
+    ops start OpenMP teams that slow the engine's own steps (see
+    :mod:`vllm_kvcodec.torch_threads`).
+    """
+    import torch
+
+    worker = conn.worker
+    pools = [worker.fetcher._pool, worker.fetcher._decode_pool, worker.saver._pool]
+    return {pool.submit(torch.get_num_threads).result() for pool in pools if pool is not None}
+
+
 def assert_paged_kv_equals_stored(conn: Any, url: str) -> None:
     """The last load's slots, read back through each layer's layout, are the stored chunks' bits.
 

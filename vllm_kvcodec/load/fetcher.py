@@ -50,6 +50,7 @@ from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PagedLayout
 from vllm_kvcodec.paged.objects import CanonicalObjects, ObjectLayout, Target, object_layout_for
 from vllm_kvcodec.spans import Span
+from vllm_kvcodec.torch_threads import one_torch_thread
 
 if TYPE_CHECKING:  # imports vLLM; the fetcher itself must not (the GPU check runs without it)
     from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
@@ -58,11 +59,6 @@ if TYPE_CHECKING:  # imports vLLM; the fetcher itself must not (the GPU check ru
 logger = logging.getLogger("vllm_kvcodec")
 #: Raw KV bytes of the objects one store round trip fetches (and one fetch thread holds at once).
 BATCH_BYTES = 8 << 20
-
-
-def _one_torch_thread() -> None:
-    """Parallelism comes from the fetch threads; intra-op threads would fight the engine for cores."""
-    torch.set_num_threads(1)
 
 
 class LoadError(Exception):
@@ -160,11 +156,11 @@ class Fetcher:
         self.groups, self.caches, self.layouts, self.stats = addresses.groups, caches, layouts, stats
         self.placement = placement if placement is not None else HostPlacement(caches, layouts, cache_groups)
         self.objects = self.placement.objects = object_layout_for(addresses.namespace.layout_id)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-fetch", initializer=_one_torch_thread)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-fetch", initializer=one_torch_thread)
         self._decode_pool: ThreadPoolExecutor | None = None
         if decode_threads is not None and decode_threads < threads:
             self._decode_pool = ThreadPoolExecutor(decode_threads, thread_name_prefix="kvcodec-decode",
-                                                   initializer=_one_torch_thread)
+                                                   initializer=one_torch_thread)
 
     def submit(self, specs: list[LoadSpec], timeout_s: float) -> LoadJob:
         chunks = [(spec, chunk) for spec in specs for chunk in spec.chunks]

@@ -27,13 +27,14 @@ from vllm_kvcodec.format import encode_chunk
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.outcomes import SaveOutcome
 from vllm_kvcodec.stats import ConnectorStats
+from vllm_kvcodec.torch_threads import one_torch_thread
 
 logger = logging.getLogger("vllm_kvcodec")
 DROP_LOG_INTERVAL_S = 10.0
 
 
 def yield_to_engine(nice: int) -> None:
-    """Lower this save thread's CPU priority by ``nice`` (Linux: a thread has its own nice value).
+    """One torch thread (:mod:`vllm_kvcodec.torch_threads`), CPU priority lowered by ``nice`` (Linux: per thread).
 
     Encoding is background work with a deadline of "before the chunk is asked
     for"; the engine's threads computing the next step are on every request's
@@ -41,6 +42,7 @@ def yield_to_engine(nice: int) -> None:
     encoder takes only the cycles the engine leaves (saves then queue up to
     ``max_pending_save_bytes`` and are dropped past it, counted).
     """
+    one_torch_thread()
     if nice > 0 and hasattr(os, "setpriority"):
         with contextlib.suppress(OSError):  # not permitted or not supported: run at the engine's priority
             tid = threading.get_native_id()
