@@ -37,6 +37,7 @@ import numpy as np
 
 from vllm_kvcodec.codecs import rans_kernels as rk
 from vllm_kvcodec.codecs.base import Codec
+from vllm_kvcodec.codecs.planes import merge, split
 from vllm_kvcodec.codecs.registry import register_codec
 from vllm_kvcodec.codecs.validate import Reader, expect_at_most
 from vllm_kvcodec.dtypes import DType
@@ -104,27 +105,6 @@ def channel_view(shape: tuple[int, ...], token_axis: int | None = None) -> tuple
 
 def _rest_bytes(dtype: DType) -> int:
     return 1 if dtype is DType.BFLOAT16 else 3
-
-
-def split(flat: np.ndarray, dtype: DType) -> tuple[np.ndarray, np.ndarray]:
-    """Exponent bytes and sign+mantissa bytes (the SplitZip split)."""
-    if dtype is DType.BFLOAT16:
-        exps = ((flat >> 7) & 0xFF).astype(np.uint8)
-        sm = (((flat >> 8) & 0x80) | (flat & 0x7F)).astype(np.uint8)
-        return exps, sm
-    exps = ((flat >> 23) & 0xFF).astype(np.uint8)
-    rest = ((flat & 0x7FFFFF) | ((flat >> 8) & 0x800000)).astype("<u4")
-    return exps, np.ascontiguousarray(rest.view(np.uint8).reshape(-1, 4)[:, :3])
-
-
-def merge(exps: np.ndarray, signman: np.ndarray, dtype: DType) -> np.ndarray:
-    if dtype is DType.BFLOAT16:
-        sm = signman.reshape(-1).astype(np.uint16)
-        return ((sm & 0x80) << 8) | (exps.astype(np.uint16) << 7) | (sm & 0x7F)
-    rest = np.zeros((exps.size, 4), dtype=np.uint8)
-    rest[:, :3] = signman.reshape(-1, 3)
-    r = rest.view("<u4").reshape(-1).astype(np.uint32)
-    return ((r & 0x800000) << 8) | (exps.astype(np.uint32) << 23) | (r & 0x7FFFFF)
 
 
 def _read_table(reader: Reader) -> np.ndarray:

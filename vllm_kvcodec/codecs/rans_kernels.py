@@ -79,51 +79,91 @@ def encode(symbols: np.ndarray, freqs: np.ndarray, out: np.ndarray) -> int:
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def decode_tables(freqs: np.ndarray) -> tuple:
-    """Slot -> symbol table plus per-symbol starts (freqs must already sum to PROB_SCALE)."""
-    starts = np.zeros(256, dtype=np.uint32)
-    slot_sym = np.zeros(PROB_SCALE, dtype=np.uint8)
+def slot_table(freqs: np.ndarray) -> np.ndarray:
+    """Per 12-bit slot: ``symbol << 24 | (frequency - 1) << 12 | slot - start``, one load per decoded symbol.
+
+    ``freqs`` must sum to PROB_SCALE (the caller checks; a table is never written past its end).
+    """
+    table = np.zeros(PROB_SCALE, dtype=np.uint32)
     acc = 0
     for s in range(256):
-        starts[s] = acc
-        for j in range(acc, acc + np.int64(freqs[s])):
-            slot_sym[j] = s
-        acc += np.int64(freqs[s])
-    return starts, slot_sym
+        f = np.int64(freqs[s])
+        for j in range(min(f, PROB_SCALE - acc)):
+            table[acc + j] = (np.uint32(s) << np.uint32(24)) | (np.uint32(f - 1) << np.uint32(12)) | np.uint32(j)
+        acc += f
+    return table
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _step(x: np.uint32, table: np.ndarray) -> tuple:
+    e = table[x & np.uint32(PROB_SCALE - 1)]
+    x = (((e >> np.uint32(12)) & np.uint32(0xFFF)) + np.uint32(1)) * (x >> np.uint32(PROB_BITS)) + (e & np.uint32(0xFFF))
+    return x, np.uint8(e >> np.uint32(24))
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def decode(words: np.ndarray, freqs: np.ndarray, out: np.ndarray) -> bool:
-    """Decode len(out) symbols; False on any inconsistency (the caller raises)."""
-    if words.shape[0] < 2 * LANES:
-        return False
-    starts, slot_sym = decode_tables(freqs)
-    f32 = freqs.astype(np.uint32)
-    state = np.empty(LANES, dtype=np.uint32)
-    for lane in range(LANES):
-        state[lane] = np.uint32(words[2 * lane]) | (np.uint32(words[2 * lane + 1]) << np.uint32(16))
-        if state[lane] < RANS_L:
-            return False
-    pos = 2 * LANES
+    """Decode len(out) symbols; False on any inconsistency (the caller raises).
+
+    The four lanes' states live in registers, one symbol of each per round:
+    their chains overlap (2.3 ns a symbol against 3.4 with the states in an
+    array, on real KV). Words are read from a copy padded by one round, so a
+    round reads without a bounds check and the check runs once per round.
+    """
     n_words = words.shape[0]
-    mask = np.uint32(PROB_SCALE - 1)
-    for i in range(out.shape[0]):
-        lane = i & (LANES - 1)
-        x = state[lane]
-        slot = x & mask
-        s = slot_sym[slot]
-        x = f32[s] * (x >> np.uint32(PROB_BITS)) + slot - starts[s]
-        if x < RANS_L:
+    if n_words < 2 * LANES:
+        return False
+    total = 0
+    for s in range(256):
+        total += np.int64(freqs[s])
+    if total != PROB_SCALE:
+        return False
+    table = slot_table(freqs)
+    buf = np.zeros(n_words + LANES, dtype=np.uint32)
+    buf[:n_words] = words
+    low = np.uint32(RANS_L)
+    s16 = np.uint32(16)
+    x0, x1 = buf[0] | (buf[1] << s16), buf[2] | (buf[3] << s16)
+    x2, x3 = buf[4] | (buf[5] << s16), buf[6] | (buf[7] << s16)
+    if x0 < low or x1 < low or x2 < low or x3 < low:
+        return False
+    pos = 2 * LANES
+    n = out.shape[0]
+    rounds = n - (n & (LANES - 1))
+    for i in range(0, rounds, LANES):
+        if pos > n_words:
+            return False
+        x0, out[i] = _step(x0, table)
+        if x0 < low:
+            x0 = (x0 << s16) | buf[pos]
+            pos += 1
+        x1, out[i + 1] = _step(x1, table)
+        if x1 < low:
+            x1 = (x1 << s16) | buf[pos]
+            pos += 1
+        x2, out[i + 2] = _step(x2, table)
+        if x2 < low:
+            x2 = (x2 << s16) | buf[pos]
+            pos += 1
+        x3, out[i + 3] = _step(x3, table)
+        if x3 < low:
+            x3 = (x3 << s16) | buf[pos]
+            pos += 1
+    for i in range(rounds, n):  # lanes 0..2 of a last, partial round
+        x = x0 if i == rounds else (x1 if i == rounds + 1 else x2)
+        x, out[i] = _step(x, table)
+        if x < low:
             if pos >= n_words:
                 return False
-            x = (x << np.uint32(16)) | np.uint32(words[pos])
+            x = (x << s16) | buf[pos]
             pos += 1
-        state[lane] = x
-        out[i] = s
-    for lane in range(LANES):
-        if state[lane] != RANS_L:
-            return False
-    return pos == n_words
+        if i == rounds:
+            x0 = x
+        elif i == rounds + 1:
+            x1 = x
+        else:
+            x2 = x
+    return pos == n_words and x0 == low and x1 == low and x2 == low and x3 == low
 
 
 def encode_symbols(symbols: np.ndarray, freqs: np.ndarray) -> np.ndarray:
