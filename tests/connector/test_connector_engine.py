@@ -92,6 +92,25 @@ def test_bf16_loads_match_local_prefix_cache(codec: str, store: str, load_mode: 
             assert stats[f"codec_{codec}_loads"] > 0
 
 
+@pytest.mark.parametrize("load_wait", ["whole", "layers"])
+def test_prefill_waiting_for_the_whole_load_gives_the_same_tokens(load_wait: str, text, reference_tokens, tmp_path) -> None:
+    """``load_wait: whole``: the first layer waits for every group (counted), on every core; ``layers``: never."""
+    url = f"file://{tmp_path / 'store'}"
+    with engine(connector_config(url, "rans", chunk_size=BLOCK, load_wait=load_wait)) as llm:
+        conn = worker_connector()
+        greedy(llm, text[COLD])
+        assert conn.flush(120)
+        for name in ("short", "partly_stored", "longer_than_batch"):
+            llm.reset_prefix_cache()
+            before = conn.stats().get("loaded_tokens", 0)
+            assert greedy(llm, prompts(text)[name]) == reference_tokens[name], name
+            assert conn.stats().get("loaded_tokens", 0) > before, name
+            assert conn.flush(120)
+        stats = conn.stats()
+        assert stats.get("load_failures", 0) == 0
+        assert (stats.get("load_waits_whole", 0) >= 3) == (load_wait == "whole"), stats
+
+
 @pytest.fixture(scope="module")
 def fp32_recompute_tokens(text) -> dict[str, list[int]]:
     with engine(dtype="float32", prefix_caching=False) as llm:

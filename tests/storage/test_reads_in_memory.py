@@ -49,3 +49,8 @@ def test_load_threads_follow_the_engine_and_the_store() -> None:
     assert load_threads(8, None, on_device=True, reads_in_memory=False) == LoadThreads(8, 8)
     assert load_threads(3, 2, on_device=False, reads_in_memory=True) == LoadThreads(3, 2)  # as configured
     assert load_threads(None, 6, on_device=False, reads_in_memory=True) == LoadThreads(6, 6)
+    # The prefill may wait for whole loads: every core decodes where the engine leaves none idle.
+    whole = usable_cores() if usable_cores() <= torch.get_num_threads() else idle
+    assert load_threads(None, None, on_device=False, reads_in_memory=True, whole_loads=True) == LoadThreads(whole, whole)
+    assert load_threads(None, None, on_device=True, reads_in_memory=True, whole_loads=True) == LoadThreads(4, 4)
+    assert load_threads(None, 1, on_device=False, reads_in_memory=True, whole_loads=True) == LoadThreads(1, 1)

@@ -59,6 +59,12 @@ class CodecChooser:
         self.link.observe(nbytes, seconds, read=False, end=end)
 
     @property
+    def current_id(self) -> str | None:
+        """The codec new chunks are saved with now (auto: its latest choice; None before the first)."""
+        codec = self.fixed if self.fixed is not None else self._current
+        return None if codec is None else codec.codec_id
+
+    @property
     def bandwidth_bytes_per_s(self) -> float:
         return self.link.bytes_per_s
 

@@ -69,6 +69,8 @@ COUNTERS: tuple[CounterSpec, ...] = (
                 {k: f"load_failures_{k}" for k in ("missing", "corrupt", "mismatch", "store", "timeout", "other")},
                 label="kind"),
     _plain("load_timeouts", "Loads abandoned at load_timeout_s (their blocks are recomputed).", "load_timeouts"),
+    _plain("load_waits_whole", "Steps whose prefill waited for its whole sync load before the first layer (load_wait).",
+           "load_waits_whole"),
     _plain("failed_load_chunks", "Chunks whose load failed, as the scheduler learnt (not offered again until saved anew).",
            "failed_load_chunks"),
     _plain("loads_abandoned", "Loads stopped because their request ended first.", "loads_abandoned"),

@@ -33,7 +33,7 @@ from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.codecs import policy
 from vllm_kvcodec.codecs.warmup import warm_up
-from vllm_kvcodec.load.cores import load_threads
+from vllm_kvcodec.load.cores import idle_cores, load_threads
 from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.keys import Namespace, ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
@@ -74,6 +74,7 @@ class WorkerHalf:
         self._shared: set[str] = set()  # layers that read another layer's KV: saved and loaded through it
         self._failed_recving: set[str] = set()  # several KV cache groups: failed loads go per request
         self._sync_job: LoadJob | None = None
+        self._whole_loads = False  # load_wait may make the prefill wait for whole loads (set with the caches)
         self._async_jobs: dict[str, LoadJob] = {}
         self._load_errors: set[int] = set()
         # Failed loads per request: its saves planned before the scheduler heard of the latest are dropped.
@@ -105,8 +106,10 @@ class WorkerHalf:
         self._check_save_room()
         self.layer_cache_groups = [self.cache_groups.of_layer(n) for n in names]
         addresses = ObjectAddresses(self.namespace, self.tp_rank, tuple(self.groups))
+        self._whole_loads = self.config.load_wait == "whole" or (
+            self.config.load_wait == "auto" and not caches[0].is_cuda and idle_cores() == 0)
         threads = load_threads(self.config.fetch_threads, self.config.decode_threads, on_device=caches[0].is_cuda,
-                               reads_in_memory=self.store.reads_in_memory)
+                               reads_in_memory=self.store.reads_in_memory, whole_loads=self._whole_loads)
         self.chooser.decoders = threads.decode
         self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered, threads.fetch,
                                               self.stats, self.chooser.observe_read,
@@ -205,11 +208,28 @@ class WorkerHalf:
         if job is None:
             return
         layer = self._layer_of.get(layer_name)
+        if layer == 0 and self._waits_whole():
+            self.stats.add(load_waits_whole=1)
+            job.wait_all(job.deadline)  # past the deadline, the layer wait below answers at once and cancels
         if layer is None or job.wait_layer(layer, job.deadline):
             return
         self.stats.add(load_timeouts=1)
         logger.warning("kvcodec: load did not finish within %.1f s; recomputing its blocks", self.config.load_timeout_s)
         job.cancel()
+
+    def _waits_whole(self) -> bool:
+        """Whether this step's prefill waits for the whole sync load before its first layer (``load_wait``).
+
+        On a CPU engine whose threads take every core, a load decoding beside
+        the prefill takes cores from its OpenMP team, which then waits on its
+        slowest thread; waiting lets the load run alone on every core. That
+        pays where decode dominates, not for raw, whose cost is the wire time
+        the overlap hides; auto judges by the codec this instance saves with,
+        what a fleet of like instances mostly stores.
+        """
+        if not self._whole_loads:
+            return False
+        return self.config.load_wait == "whole" or self.chooser.current_id not in (None, "raw")
 
     def _finish_sync_load(self) -> None:
         """The step's sync loads end with its forward pass; both of vLLM's end-of-step calls need their outcome

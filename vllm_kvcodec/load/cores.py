@@ -49,11 +49,23 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def load_threads(fetch: int | None, decode: int | None, *, on_device: bool, reads_in_memory: bool) -> LoadThreads:
-    """The configured counts, with each unset one chosen as the module docstring explains."""
+def idle_cores() -> int:
+    """Cores a CPU engine's own OpenMP threads leave to the connector (0 when they take every core)."""
+    return max(0, usable_cores() - torch.get_num_threads())
+
+
+def load_threads(fetch: int | None, decode: int | None, *, on_device: bool, reads_in_memory: bool,
+                 whole_loads: bool = False) -> LoadThreads:
+    """The configured counts, with each unset one chosen as the module docstring explains.
+
+    ``whole_loads``: the prefill may wait for a whole load, which then has
+    every core of a CPU engine to decode on.
+    """
     if decode is None:
-        idle = (fetch or NETWORK_FETCH_THREADS) if on_device else usable_cores() - torch.get_num_threads()
-        decode = max(1, idle)
+        if on_device:
+            decode = fetch or NETWORK_FETCH_THREADS
+        else:
+            decode = usable_cores() if whole_loads and idle_cores() == 0 else max(1, idle_cores())
     if fetch is None:
         fetch = decode if reads_in_memory and not on_device else max(decode, NETWORK_FETCH_THREADS)
     return LoadThreads(fetch, decode)

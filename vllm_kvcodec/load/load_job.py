@@ -107,6 +107,9 @@ class LoadJob:
             event.set()
         self.done.set()
 
+    def wait_all(self, deadline: float) -> bool:
+        return self.done.wait(max(0.0, deadline - time.monotonic()))
+
     def wait_layer(self, layer: int, deadline: float) -> bool:
         return self.layer_ready[layer].wait(max(0.0, deadline - time.monotonic()))
 

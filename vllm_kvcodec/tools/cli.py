@@ -90,13 +90,14 @@ def bench_ttft(
     replay: bool = typer.Option(True, help="Also replay the whole prompt from local disk beside vLLM's ExampleConnector."),
     replay_only: bool = typer.Option(False, "--replay-only", help="Only the replay beside ExampleConnector (no links, no recompute baseline): minutes instead of an hour."),
     replay_repeats: int = typer.Option(10, help="Timed (replay, local hit) pairs per replay row (the median of their ratios is reported)."),
+    load_wait: str = typer.Option("auto", help="The connector's load_wait (auto, layers, whole): whether the prefill waits for the whole load."),
 ) -> None:
     """TTFT of a 4k-token prefix loaded through the connector per codec at 1/10/100 Gbit/s vs recompute."""
     from vllm_kvcodec.tools.bench import ttft
 
     ttft.run(output, codecs=codec or None, gbps=gbps or None, rtt_ms=rtt_ms, prefix_tokens=prefix_tokens,
              suffix_tokens=suffix_tokens, repeats=repeats, video=video, quick=quick, store=store,
-             replay=replay, replay_only=replay_only, replay_repeats=replay_repeats)
+             replay=replay, replay_only=replay_only, replay_repeats=replay_repeats, load_wait=load_wait)
 
 
 @bench_app.command("fuzz")

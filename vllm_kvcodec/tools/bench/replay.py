@@ -44,7 +44,7 @@ LOCAL = "local hit"
 
 
 def run(codecs: list[tuple[str, Any]], prompt: list[int], tmp: Path, max_len: int, chunk_size: int, repeats: int,
-        status: Any) -> list[dict[str, Any]]:
+        load_wait: str, status: Any) -> list[dict[str, Any]]:
     """One row per way of serving the replayed ``prompt``: TTFT (median of ``repeats``) and tokens served cached."""
     from vllm_kvcodec.tools.demo import Engine
 
@@ -64,7 +64,7 @@ def run(codecs: list[tuple[str, Any]], prompt: list[int], tmp: Path, max_len: in
     for name, codec in codecs:
         status.update(f"replay: this connector, {name}")
         engine = Engine(f"file://{tmp / 'replay' / name}", codec, max_model_len=max_len, chunk_size=chunk_size,
-                        prompt_tails=True)
+                        prompt_tails=True, load_wait=load_wait)
         rows.append(_measure(name, engine, prompt, repeats, reset=True))
         engine.close()
     for r in rows:

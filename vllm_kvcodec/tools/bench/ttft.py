@@ -90,6 +90,7 @@ def run(
     replay: bool = False,
     replay_only: bool = False,
     replay_repeats: int = 10,
+    load_wait: str = "auto",
 ) -> dict[str, Any]:
     fresh_numba = _fresh_numba_cache()
     from vllm_kvcodec.tools.demo import BLOCK_SIZE, Engine, engine_env
@@ -128,7 +129,7 @@ def run(
         with console.status("") as status:
             if replay_only:  # the ExampleConnector comparison alone: minutes, not the full hour
                 replay_rows = replay_bench.run(_replay_codecs(codecs), prompts[0], tmp, max_len, chunk_size, replay_repeats,
-                                               status)
+                                               load_wait, status)
             else:
                 baseline = _baselines(prompts, repeats, max_len, status)
             # ---- connector loads -----------------------------------------------------------
@@ -141,7 +142,8 @@ def run(
                 url = _plan_url(store, tmp, store_key, g, rtt_ms)
                 status.update(f"{where}: starting an engine")
                 # every chunk in the row's codec: no cheaper codec for a saver that falls behind
-                engine = Engine(url, codec, max_model_len=max_len, chunk_size=chunk_size, save_codec_when_behind=None)
+                engine = Engine(url, codec, max_model_len=max_len, chunk_size=chunk_size, save_codec_when_behind=None,
+                                load_wait=load_wait)
                 if store_key not in populated:
                     status.update(f"{where}: computing and saving the prefix")
                     t0 = time.perf_counter()
@@ -180,7 +182,7 @@ def run(
                             f"loaded {row['loaded_tokens']} tokens ({row['loaded_codecs']})")
             if replay and not replay_only:
                 replay_rows = replay_bench.run(_replay_codecs(codecs), prompts[0], tmp, max_len, chunk_size, replay_repeats,
-                                               status)
+                                               load_wait, status)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -204,6 +206,7 @@ def run(
         "numba_cache_empty_at_start": fresh_numba,
         "repeats": repeats,
         "replay_repeats": replay_repeats,
+        "load_wait": load_wait,
         "baseline": baseline,
         "results": rows,
         "replay": replay_rows,
