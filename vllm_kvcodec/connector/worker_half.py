@@ -34,6 +34,7 @@ from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.codecs import policy
 from vllm_kvcodec.codecs.warmup import warm_up
 from vllm_kvcodec.load.cores import idle_cores, load_threads
+from vllm_kvcodec.load.load_balance import LoadBalance
 from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.keys import Namespace, ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
@@ -75,6 +76,7 @@ class WorkerHalf:
         self._failed_recving: set[str] = set()  # several KV cache groups: failed loads go per request
         self._sync_job: LoadJob | None = None
         self._whole_loads = False  # load_wait may make the prefill wait for whole loads (set with the caches)
+        self._load_balance = LoadBalance()  # whether recent sync loads were bound by their fetches or their decode
         self._async_jobs: dict[str, LoadJob] = {}
         self._load_errors: set[int] = set()
         # Failed loads per request: its saves planned before the scheduler heard of the latest are dropped.
@@ -223,13 +225,17 @@ class WorkerHalf:
         On a CPU engine whose threads take every core, a load decoding beside
         the prefill takes cores from its OpenMP team, which then waits on its
         slowest thread; waiting lets the load run alone on every core. That
-        pays where decode dominates, not for raw, whose cost is the wire time
-        the overlap hides; auto judges by the codec this instance saves with,
-        what a fleet of like instances mostly stores.
+        pays where decode outlasts the fetches (:mod:`vllm_kvcodec.load.load_balance`),
+        never for raw, whose CPU work is a copy the overlap hides; before the
+        first load, auto judges by the codec this instance saves with.
         """
         if not self._whole_loads:
             return False
-        return self.config.load_wait == "whole" or self.chooser.current_id not in (None, "raw")
+        if self.config.load_wait == "whole":
+            return True
+        codec = self.chooser.current_id
+        cpu_bound = self._load_balance.cpu_bound
+        return codec not in (None, "raw") and (cpu_bound is None or cpu_bound)
 
     def _finish_sync_load(self) -> None:
         """The step's sync loads end with its forward pass; both of vLLM's end-of-step calls need their outcome
@@ -237,6 +243,8 @@ class WorkerHalf:
         job, self._sync_job = self._sync_job, None
         if job is not None:
             job.done.wait(max(0.0, job.deadline - time.monotonic()))
+            if (fetcher := self.fetcher) is not None:
+                self._load_balance.observe(job.fetch_s, fetcher.fetch_threads, job.cpu_s, fetcher.cpu_threads)
             self._settle(job)
 
     def _settle(self, job: LoadJob) -> None:

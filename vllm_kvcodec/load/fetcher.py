@@ -158,7 +158,9 @@ class Fetcher:
         self.objects = self.placement.objects = object_layout_for(addresses.namespace.layout_id)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-fetch", initializer=one_torch_thread)
         self._decode_pool: ThreadPoolExecutor | None = None
+        self.fetch_threads, self.cpu_threads = threads, threads  # who fetches, who decodes and scatters
         if decode_threads is not None and decode_threads < threads:
+            self.cpu_threads = decode_threads
             self._decode_pool = ThreadPoolExecutor(decode_threads, thread_name_prefix="kvcodec-decode",
                                                    initializer=one_torch_thread)
 
@@ -201,6 +203,7 @@ class Fetcher:
                 error = exc
         t1 = time.perf_counter()
         fetch_s = t1 - t0
+        job.account(fetch_s=fetch_s)
         if error is None and self.observe_read is not None:
             self.observe_read(sum(len(b) for b in blobs if b is not None), fetch_s, end=t1)
         self.stats.add(fetch_s=fetch_s, fetch_batches=1)
@@ -249,6 +252,7 @@ class Fetcher:
         finally:
             job.end_write()
         t3 = time.perf_counter()
+        job.account(cpu_s=t3 - t1)
         self.stats.add(
             loaded_objects=1, loaded_bytes=len(blob), loaded_raw_bytes=header.raw_nbytes,
             decode_s=t2 - t1, scatter_s=t3 - t2, **{f"codec_{header.codec_id}_loads": 1},

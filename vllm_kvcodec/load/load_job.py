@@ -32,6 +32,8 @@ class LoadJob:
         self._writers = 0
         self.cancelled = False
         self.started = time.monotonic()
+        self.fetch_s = 0.0  # seconds of its store round trips, summed over fetch threads
+        self.cpu_s = 0.0  # thread-seconds of its decodes and scatters
         # Objects still pending per request, and who hears each request's load wall time (the load histogram).
         self._left: collections.Counter[str] = collections.Counter()
         self.on_request_loaded: Callable[[float], None] = lambda seconds: None
@@ -106,6 +108,12 @@ class LoadJob:
         for event in self.layer_ready.values():
             event.set()
         self.done.set()
+
+    def account(self, fetch_s: float = 0.0, cpu_s: float = 0.0) -> None:
+        """Add a fetch's seconds or a decode and scatter's (threads report concurrently)."""
+        with self._cond:
+            self.fetch_s += fetch_s
+            self.cpu_s += cpu_s
 
     def wait_all(self, deadline: float) -> bool:
         return self.done.wait(max(0.0, deadline - time.monotonic()))

@@ -179,7 +179,8 @@ def run(
                 row["first_in_process"] = not rows
                 rows.append(row)
                 console.log(f"{name:>9} @ {g:>5g} Gbit/s: TTFT {row['ttft_s'] * 1000:.0f} ms, "
-                            f"loaded {row['loaded_tokens']} tokens ({row['loaded_codecs']})")
+                            f"loaded {row['loaded_tokens']} tokens ({row['loaded_codecs']}), prefill waited for "
+                            f"{row['waited_whole']} of {len(row['ttft_all_s'])} whole loads")
             if replay and not replay_only:
                 replay_rows = replay_bench.run(_replay_codecs(codecs), prompts[0], tmp, max_len, chunk_size, replay_repeats,
                                                load_wait, status)
@@ -299,6 +300,7 @@ def _row(name: str, g: float, ttfts: list[float], loads: list[dict[str, float]],
         "fetch_s": per_load("fetch_s"),
         "decode_s": per_load("decode_s"),
         "scatter_s": per_load("scatter_s"),
+        "waited_whole": int(sum(d.get("load_waits_whole", 0) for d in loads)),  # timed loads the prefill waited out
         "wire_s": wire,
         "overlap": {"ttft_s": ttft, "max_s": max(wire, local), "sum_s": wire + local},
         "vs_recompute": ttft / baseline["recompute_s"],
