@@ -226,16 +226,17 @@ class WorkerHalf:
         the prefill takes cores from its OpenMP team, which then waits on its
         slowest thread; waiting lets the load run alone on every core. That
         pays where decode outlasts the fetches (:mod:`vllm_kvcodec.load.load_balance`),
-        never for raw, whose CPU work is a copy the overlap hides; before the
-        first load, auto judges by the codec this instance saves with.
+        never for raw objects, whose CPU work is a copy the overlap hides.
+        Before the first load, auto judges by the codec this instance saves with.
         """
         if not self._whole_loads:
             return False
         if self.config.load_wait == "whole":
             return True
-        codec = self.chooser.current_id
-        cpu_bound = self._load_balance.cpu_bound
-        return codec not in (None, "raw") and (cpu_bound is None or cpu_bound)
+        balance = self._load_balance
+        if balance.cpu_bound is None or balance.mostly_coded is None:
+            return self.chooser.current_id not in (None, "raw")
+        return balance.cpu_bound and balance.mostly_coded
 
     def _finish_sync_load(self) -> None:
         """The step's sync loads end with its forward pass; both of vLLM's end-of-step calls need their outcome
@@ -244,7 +245,8 @@ class WorkerHalf:
         if job is not None:
             job.done.wait(max(0.0, job.deadline - time.monotonic()))
             if (fetcher := self.fetcher) is not None:
-                self._load_balance.observe(job.fetch_s, fetcher.fetch_threads, job.cpu_s, fetcher.cpu_threads)
+                coded = job.coded_objects / job.decoded_objects if job.decoded_objects else None
+                self._load_balance.observe(job.fetch_s, fetcher.fetch_threads, job.cpu_s, fetcher.cpu_threads, coded)
             self._settle(job)
 
     def _settle(self, job: LoadJob) -> None:

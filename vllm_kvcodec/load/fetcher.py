@@ -252,7 +252,7 @@ class Fetcher:
         finally:
             job.end_write()
         t3 = time.perf_counter()
-        job.account(cpu_s=t3 - t1)
+        job.account(cpu_s=t3 - t1, codec_id=header.codec_id)
         self.stats.add(
             loaded_objects=1, loaded_bytes=len(blob), loaded_raw_bytes=header.raw_nbytes,
             decode_s=t2 - t1, scatter_s=t3 - t2, **{f"codec_{header.codec_id}_loads": 1},
