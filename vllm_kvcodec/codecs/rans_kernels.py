@@ -101,6 +101,14 @@ def _step(x: np.uint32, table: np.ndarray) -> tuple:
     return x, np.uint8(e >> np.uint32(24))
 
 
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _renorm(x: np.uint32, buf: np.ndarray, pos: int) -> tuple:
+    """Shift in the next word when the state fell below RANS_L (the caller checks ``pos``)."""
+    if x < np.uint32(RANS_L):
+        return (x << np.uint32(16)) | buf[pos], pos + 1
+    return x, pos
+
+
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def decode(words: np.ndarray, freqs: np.ndarray, out: np.ndarray) -> bool:
     """Decode len(out) symbols; False on any inconsistency (the caller raises).
@@ -134,29 +142,19 @@ def decode(words: np.ndarray, freqs: np.ndarray, out: np.ndarray) -> bool:
         if pos > n_words:
             return False
         x0, out[i] = _step(x0, table)
-        if x0 < low:
-            x0 = (x0 << s16) | buf[pos]
-            pos += 1
+        x0, pos = _renorm(x0, buf, pos)
         x1, out[i + 1] = _step(x1, table)
-        if x1 < low:
-            x1 = (x1 << s16) | buf[pos]
-            pos += 1
+        x1, pos = _renorm(x1, buf, pos)
         x2, out[i + 2] = _step(x2, table)
-        if x2 < low:
-            x2 = (x2 << s16) | buf[pos]
-            pos += 1
+        x2, pos = _renorm(x2, buf, pos)
         x3, out[i + 3] = _step(x3, table)
-        if x3 < low:
-            x3 = (x3 << s16) | buf[pos]
-            pos += 1
-    for i in range(rounds, n):  # lanes 0..2 of a last, partial round
+        x3, pos = _renorm(x3, buf, pos)
+    if pos > n_words:
+        return False
+    for i in range(rounds, n):  # lanes 0..2 of a last, partial round: at most 3 reads, within the padding
         x = x0 if i == rounds else (x1 if i == rounds + 1 else x2)
         x, out[i] = _step(x, table)
-        if x < low:
-            if pos >= n_words:
-                return False
-            x = (x << s16) | buf[pos]
-            pos += 1
+        x, pos = _renorm(x, buf, pos)
         if i == rounds:
             x0 = x
         elif i == rounds + 1:
