@@ -12,11 +12,13 @@ wrappers (``link+``, ``faults+``) and servers live in :mod:`storage.testing`.
 
 from storage.base import MAX_KEY_LENGTH, Store, validate_key
 from storage.errors import InvalidKeyError, StoreError, StoreUnavailableError, StoreURLError
+from storage.ranged import RangedValue
 from storage.registry import check_url, describe_schemes, open_store
 
 __all__ = [
     "MAX_KEY_LENGTH",
     "InvalidKeyError",
+    "RangedValue",
     "Store",
     "StoreError",
     "StoreURLError",

@@ -14,7 +14,8 @@ from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import TypeVar
 
-from storage.errors import InvalidKeyError, StoreUnavailableError
+from storage.errors import InvalidKeyError, StoreError, StoreUnavailableError
+from storage.ranged import RangedValue
 
 #: What ``put`` accepts: anything exposing a contiguous buffer of bytes.
 Value = bytes | bytearray | memoryview
@@ -94,6 +95,16 @@ class Store(abc.ABC):
         return False
 
     @property
+    def ranged_reads(self) -> bool:
+        """Values can be opened with :meth:`open_ranged` and read straight into the caller's buffers.
+
+        Only a store whose values lie in local files says so; wrappers answer
+        for the store they wrap, except those that change what is read (a link
+        emulator, a fault injector), which read with ``get``.
+        """
+        return False
+
+    @property
     def is_down(self) -> bool:
         """Known to be unreachable right now, without asking it (an outage guard knows; a plain store never claims it)."""
         return False
@@ -103,6 +114,14 @@ class Store(abc.ABC):
     def get(self, key: str) -> bytes | None:
         self._check_open()
         return self._get(validate_key(key))
+
+    def open_ranged(self, key: str) -> RangedValue | None:
+        """``key``'s value, open for reads in parts (close it after), or ``None`` if missing; see :mod:`storage.ranged`.
+
+        Only where :attr:`ranged_reads` is true; elsewhere a :class:`StoreError`.
+        """
+        self._check_open()
+        return self._open_ranged(validate_key(key))
 
     def put(self, key: str, value: Value) -> None:
         self._check_open()
@@ -174,6 +193,9 @@ class Store(abc.ABC):
 
     def _get_many(self, keys: list[str]) -> list[bytes | None]:
         return [self._get(k) for k in keys]
+
+    def _open_ranged(self, key: str) -> RangedValue | None:
+        raise StoreError(f"{self!r} does not read values in parts; use get")
 
     def _put_many(self, items: list[tuple[str, memoryview]]) -> None:
         for key, value in items:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from storage.base import Store
+from storage.ranged import RangedValue
 from storage.errors import StoreUnavailableError
 from storage.options import redact_url
 
@@ -141,6 +142,14 @@ class OutageGuard(Store):
 
     def _get_many(self, keys: list[str]) -> list[bytes | None]:
         return self._call(lambda s: s.get_many(keys))
+
+    @property
+    def ranged_reads(self) -> bool:
+        inner = self.inner
+        return inner is not None and inner.ranged_reads
+
+    def _open_ranged(self, key: str) -> RangedValue | None:
+        return self._call(lambda s: s.open_ranged(key))
 
     def _put(self, key: str, value: memoryview) -> None:
         self._call(lambda s: s.put(key, value))

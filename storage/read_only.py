@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from storage.base import Store
+from storage.ranged import RangedValue
 from storage.errors import StoreError
 
 
@@ -28,8 +29,15 @@ class ReadOnlyStore(Store):
     def reads_in_memory(self) -> bool:
         return self.inner.reads_in_memory
 
+    @property
+    def ranged_reads(self) -> bool:
+        return self.inner.ranged_reads
+
     def _get(self, key: str) -> bytes | None:
         return self.inner.get(key)
+
+    def _open_ranged(self, key: str) -> RangedValue | None:
+        return self.inner.open_ranged(key)
 
     def _get_many(self, keys: list[str]) -> list[bytes | None]:
         return self.inner.get_many(keys)
