@@ -41,6 +41,12 @@ _KEY_DIGEST = struct.Struct("<Q")
 KEY_BOUND = 0x1
 _KNOWN_FLAGS = KEY_BOUND
 MIN_CHUNK_BYTES = _FIXED.size + _CHECKSUM.size
+#: The fixed part of every chunk header: enough to learn the whole header's length (:func:`header_length`).
+FIXED_HEADER_BYTES = _FIXED.size
+#: The longest header this format allows: the fixed part, MAX_NDIM dimensions, a key digest, the largest codec config.
+MAX_HEADER_BYTES = _FIXED.size + 4 * MAX_NDIM + _KEY_DIGEST.size + MAX_CONFIG_BYTES
+#: The trailer: XXH3-64 (seed 0) of every byte before it.
+CHECKSUM_BYTES = _CHECKSUM.size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,35 +120,73 @@ def read_header(blob: bytes | bytearray | memoryview, verify: bool = True, key: 
     buf = memoryview(blob).cast("B")
     if len(buf) < MIN_CHUNK_BYTES:
         raise ChunkFormatError(f"blob of {len(buf)} bytes is shorter than any chunk ({MIN_CHUNK_BYTES})")
-    magic, version, dtype_code, ndim, config_len, flags, payload_len = _FIXED.unpack_from(buf)
-    if magic != MAGIC:
-        raise ChunkFormatError(f"bad magic {bytes(magic)!r}: not a vllm-kvcodec chunk")
-    if version != VERSION:
-        raise ChunkFormatError(f"unsupported chunk format version {version} (this reader knows {VERSION})")
+    _fixed_fields(buf)  # magic and version before the checksum: a foreign blob is named as such
     if verify:
         verify_checksum(buf)
-    if flags & ~_KNOWN_FLAGS:
-        raise ChunkFormatError(f"unknown header flags {flags:#x}")
+    return parse_header(buf, len(buf), key)
+
+
+def header_length(head: bytes | bytearray | memoryview) -> int:
+    """How many bytes precede the payload, from a chunk's first :data:`FIXED_HEADER_BYTES` (validated, bounded).
+
+    For readers that fetch a chunk in parts (:mod:`storage.ranged`): read this
+    many bytes, :func:`parse_header` them, then decide where the payload goes.
+    """
+    _, _, _, ndim, config_len, flags, _ = _fixed_fields(memoryview(head).cast("B"))
+    _check_header_fields(ndim, config_len, flags)
+    return _FIXED.size + 4 * ndim + (_KEY_DIGEST.size if flags & KEY_BOUND else 0) + config_len
+
+
+def parse_header(head: bytes | bytearray | memoryview, total: int, key: str | None = None) -> ChunkHeader:
+    """Validate the header at the start of ``head`` for a chunk of ``total`` bytes (its checksum is not verified).
+
+    ``head`` may be the whole chunk or only its first :func:`header_length`
+    bytes; every size is checked against ``total``, so a reader can place the
+    payload before it has read it.
+    """
+    buf = memoryview(head).cast("B")
+    if total < MIN_CHUNK_BYTES:
+        raise ChunkFormatError(f"blob of {total} bytes is shorter than any chunk ({MIN_CHUNK_BYTES})")
+    _, _, dtype_code, ndim, config_len, flags, payload_len = _fixed_fields(buf)
+    _check_header_fields(ndim, config_len, flags)
     dtype = DType.from_wire(dtype_code)
-    if not 1 <= ndim <= MAX_NDIM:
-        raise ChunkFormatError(f"ndim {ndim} outside [1, {MAX_NDIM}]")
-    if config_len > MAX_CONFIG_BYTES:
-        raise ChunkFormatError(f"codec config of {config_len} bytes exceeds {MAX_CONFIG_BYTES}")
     shape_at = _FIXED.size
     digest_at = shape_at + 4 * ndim
     config_at = digest_at + (_KEY_DIGEST.size if flags & KEY_BOUND else 0)
     payload_at = config_at + config_len
-    if payload_at + payload_len + _CHECKSUM.size != len(buf):
+    if payload_at + payload_len + _CHECKSUM.size != total:
         raise ChunkFormatError(
-            f"sizes disagree: header says {payload_at + payload_len + _CHECKSUM.size} bytes, blob has {len(buf)}"
+            f"sizes disagree: header says {payload_at + payload_len + _CHECKSUM.size} bytes, blob has {total}"
         )
+    if len(buf) < payload_at:
+        raise ChunkFormatError(f"header of {payload_at} bytes, only {len(buf)} given")
     shape = struct.unpack_from(f"<{ndim}I", buf, shape_at)
     _check_shape(shape)
     bound = _KEY_DIGEST.unpack_from(buf, digest_at)[0] if flags & KEY_BOUND else None
     if key is not None:
         _check_binding(bound, key)
     config = _load_config(buf[config_at:payload_at])
-    return ChunkHeader(version, dtype, shape, config, payload_at, payload_len, bound)
+    return ChunkHeader(VERSION, dtype, shape, config, payload_at, payload_len, bound)
+
+
+def _fixed_fields(buf: memoryview) -> tuple[Any, ...]:
+    if len(buf) < _FIXED.size:
+        raise ChunkFormatError(f"{len(buf)} bytes hold no chunk header ({_FIXED.size})")
+    fields = _FIXED.unpack_from(buf)
+    if fields[0] != MAGIC:
+        raise ChunkFormatError(f"bad magic {bytes(fields[0])!r}: not a vllm-kvcodec chunk")
+    if fields[1] != VERSION:
+        raise ChunkFormatError(f"unsupported chunk format version {fields[1]} (this reader knows {VERSION})")
+    return fields
+
+
+def _check_header_fields(ndim: int, config_len: int, flags: int) -> None:
+    if flags & ~_KNOWN_FLAGS:
+        raise ChunkFormatError(f"unknown header flags {flags:#x}")
+    if not 1 <= ndim <= MAX_NDIM:
+        raise ChunkFormatError(f"ndim {ndim} outside [1, {MAX_NDIM}]")
+    if config_len > MAX_CONFIG_BYTES:
+        raise ChunkFormatError(f"codec config of {config_len} bytes exceeds {MAX_CONFIG_BYTES}")
 
 
 def _check_binding(bound: int | None, key: str) -> None:
@@ -226,5 +270,6 @@ def _load_config(raw: memoryview) -> dict[str, Any]:
 
 __all__ = [
     "ChunkFormatError", "ChunkHeader", "KEY_BOUND", "KVCodecError", "MAGIC", "VERSION",
-    "build_chunk", "decode_chunk", "decode_payload", "encode_chunk", "key_digest", "read_header", "verify_checksum",
+    "build_chunk", "decode_chunk", "decode_payload", "encode_chunk", "header_length", "key_digest", "parse_header",
+    "read_header", "verify_checksum",
 ]
