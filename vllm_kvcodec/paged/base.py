@@ -85,6 +85,11 @@ def block_runs(block_ids: Sequence[int]) -> list[BlockRun]:
     return runs
 
 
+def cache_bytes(layer_cache: torch.Tensor) -> memoryview:
+    """A contiguous host cache's own bytes, writable, without a copy (fp8: its uint8 storage); see ``page_extents``."""
+    return memoryview(layer_cache.view(-1).view(torch.uint8).numpy())
+
+
 class PagedLayoutError(ConfigError):
     """A KV cache tensor does not have the layout, geometry or dtype a layout expects."""
 
@@ -301,6 +306,29 @@ class PagedLayout(abc.ABC):
                 cache.narrow(axis, block, count).copy_(src.narrow(axis, at, count))
             return
         cache.index_copy_(self.block_axis, ids, src)
+
+    def page_extents(self, layer_cache: torch.Tensor, runs: Sequence[BlockRun]) -> list[tuple[int, int]] | None:
+        """Where the bytes :meth:`write_pages` would write for ``runs`` lie in the cache, as ``(byte offset, length)``
+        in the order :meth:`read_pages` lays them out (``runs`` in ``at`` order, covering pages 0..n); None for a
+        cache that is not one contiguous host tensor (then pages are written with :meth:`write_pages`).
+
+        Why: a reader that fills buffers itself (``preadv`` from a local file)
+        then writes stored pages straight into the cache (through
+        :func:`cache_bytes`), with no intermediate copy. Block ids are
+        range-checked here, before any byte is written.
+        """
+        self.check_cache(layer_cache)
+        if layer_cache.device.type != "cpu" or not layer_cache.is_contiguous():
+            return None
+        limit, axis = self.num_blocks(layer_cache), self.block_axis
+        if any(r.block < 0 or r.count < 1 or r.block + r.count > limit for r in runs):
+            raise SlotError(f"block runs {list(runs)} outside a cache of {limit} blocks")
+        item = layer_cache.element_size()
+        block_bytes = layer_cache.stride(axis) * item
+        leads = [0]
+        for dim in range(axis):  # every index of the axes before the block axis, in C order
+            leads = [lead + i * layer_cache.stride(dim) * item for lead in leads for i in range(layer_cache.shape[dim])]
+        return [(lead + r.block * block_bytes, r.count * block_bytes) for lead in leads for r in runs]
 
     def pages_shape(self, layer_cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
         """The shape :meth:`read_pages` returns for ``num_blocks`` blocks of this cache."""

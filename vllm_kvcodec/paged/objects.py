@@ -117,13 +117,13 @@ class PageObjects(ObjectLayout):
         return (num_layers, *layout.pages_shape(cache, tokens // layout.block_size))
 
     def read(self, layout: PagedLayout, cache: torch.Tensor, slots: list[int], out: torch.Tensor) -> None:
-        layout.read_pages(cache, torch.tensor(self._block_list(slots, layout.block_size), dtype=torch.int64), out=out)
+        layout.read_pages(cache, torch.tensor(self.block_list(slots, layout.block_size), dtype=torch.int64), out=out)
 
     def target(self, layout: PagedLayout, slots: list[int], first_token: int) -> Target:
         bs = layout.block_size
         if first_token % bs:
             raise SlotError(f"a page object is loaded from a block boundary, not token {first_token}")
-        blocks = self._block_list(slots, bs)
+        blocks = self.block_list(slots, bs)
         bounds = (min(blocks, default=0), max(blocks, default=-1))
         return Target(torch.tensor(blocks, dtype=torch.int64), first_token // bs, len(blocks), bounds,
                       tuple(block_runs(blocks)))
@@ -143,7 +143,7 @@ class PageObjects(ObjectLayout):
         return torch.stack([layout.gather(pages, torch.arange(tokens)) for pages in obj])
 
     @staticmethod
-    def _block_list(slots: list[int] | torch.Tensor, bs: int) -> list[int]:
+    def block_list(slots: list[int] | torch.Tensor, bs: int) -> list[int]:
         """The blocks of whole-block ``slots``, in token order; anything else is refused (in Python: no torch calls)."""
         values = slots.tolist() if isinstance(slots, torch.Tensor) else slots
         starts = values[::bs]
