@@ -90,6 +90,8 @@ def test_bf16_loads_match_local_prefix_cache(codec: str, store: str, load_mode: 
         assert any(k.startswith("codec_") and k.endswith("_loads") for k in stats)
         if codec != "auto":
             assert stats[f"codec_{codec}_loads"] > 0
+        if codec == "raw" and store == "file":  # read straight into the pages (load/direct_read.py)
+            assert stats.get("objects_read_in_place", 0) == stats["loaded_objects"] > 0
 
 
 @pytest.mark.parametrize("load_wait", ["whole", "layers"])

@@ -57,6 +57,8 @@ COUNTERS: tuple[CounterSpec, ...] = (
            "loaded_tokens"),
     _plain("saved_tokens", "Tokens of KV saved to the store (summed over TP workers).", "saved_tokens"),
     _plain("loaded_objects", "Stored objects (chunk x layer group) loaded.", "loaded_objects"),
+    _plain("objects_read_in_place", "Loaded objects read from a local file straight into their KV pages (raw page objects).",
+           "objects_read_in_place"),
     _plain("saved_chunks", "Chunks saved to the store.", "saved_chunks"),
     _plain("saves_behind", "Chunks saved while a full round of saves waited behind them (with save_codec_when_behind).",
            "saves_behind"),

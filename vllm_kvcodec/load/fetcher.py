@@ -38,7 +38,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
@@ -46,9 +46,11 @@ from storage import Store, StoreError
 from vllm_kvcodec.errors import ChunkFormatError
 from vllm_kvcodec.format import ChunkHeader, decode_payload, read_header
 from vllm_kvcodec.keys import ObjectAddresses
+from vllm_kvcodec.load.direct_read import is_raw, read_head, read_pages_into
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PagedLayout
-from vllm_kvcodec.paged.objects import CanonicalObjects, ObjectLayout, Target, object_layout_for
+from vllm_kvcodec.paged.base import block_runs, cache_bytes
+from vllm_kvcodec.paged.objects import CanonicalObjects, ObjectLayout, PageObjects, Target, object_layout_for
 from vllm_kvcodec.spans import Span
 from vllm_kvcodec.torch_threads import one_torch_thread
 
@@ -57,6 +59,7 @@ if TYPE_CHECKING:  # imports vLLM; the fetcher itself must not (the GPU check ru
     from vllm_kvcodec.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")
+_R = TypeVar("_R")
 #: Raw KV bytes of the objects one store round trip fetches (and one fetch thread holds at once).
 BATCH_BYTES = 8 << 20
 
@@ -90,6 +93,14 @@ class Decoded:
     spans: list[Span]  # one per KV cache group: where its tokens start in the chunk, and their slots
     on_device: bool = False  # decoded by a device kernel (counted as gpu_decoded_objects)
     device_slots: list[torch.Tensor] | None = None  # the spans' slots, already where the caches are (CUDA)
+
+
+class Read(NamedTuple):
+    """One object's read in place: its bytes, the seconds reading took and when it ended."""
+
+    nbytes: int
+    seconds: float
+    end: float
 
 
 class Placement(abc.ABC):
@@ -158,6 +169,7 @@ class Fetcher:
         self.objects = self.placement.objects = object_layout_for(addresses.namespace.layout_id)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-fetch", initializer=one_torch_thread)
         self._decode_pool: ThreadPoolExecutor | None = None
+        self._cache_bytes: dict[int, memoryview] = {}  # per layer, for objects read in place
         self.fetch_threads, self.cpu_threads = threads, threads  # who fetches, who decodes and scatters
         if decode_threads is not None and decode_threads < threads:
             self.cpu_threads = decode_threads
@@ -190,6 +202,12 @@ class Fetcher:
         return [objects[i : i + per] for i in range(0, len(objects), per)]
 
     def _load_batch(self, job: LoadJob, group: int, batch: list[tuple[int, ChunkLoad]]) -> None:
+        if self._reads_in_place():  # one "fetch" per batch all the same: the time its objects took to read
+            reads = [r for r in self._run([(self._settle_in_place, (job, group, index, chunk))
+                                           for index, chunk in batch]) if r is not None]
+            if reads:
+                self._fetched(job, sum(r.nbytes for r in reads), sum(r.seconds for r in reads), max(r.end for r in reads))
+            return
         keys = [self.addresses.key(chunk.chunk_hash, group) for _, chunk in batch]
         blobs: list[bytes | None] = [None] * len(batch)
         error: Exception | None = None
@@ -202,21 +220,24 @@ class Fetcher:
             except Exception as exc:  # noqa: BLE001 - the whole batch is recomputed
                 error = exc
         t1 = time.perf_counter()
-        fetch_s = t1 - t0
+        self._fetched(job, sum(len(b) for b in blobs if b is not None) if error is None else None, t1 - t0, t1)
+        # The batch stays held (memory bound) until the decode threads are done with it.
+        self._run([(self._settle_object, (job, group, index, chunk, key, blob, error, fetched))
+                   for (index, chunk), key, blob in zip(batch, keys, blobs)])
+
+    def _run(self, calls: list[tuple[Callable[..., _R], tuple[object, ...]]]) -> list[_R]:
+        """Each call on the decode threads (waiting for all), or on this fetch thread where there are none."""
+        if self._decode_pool is None:
+            return [call(*args) for call, args in calls]
+        return [future.result() for future in [self._decode_pool.submit(call, *args) for call, args in calls]]
+
+    def _fetched(self, job: LoadJob, nbytes: int | None, fetch_s: float, end: float) -> None:
+        """Count one store round trip of ``fetch_s`` seconds ending at ``end`` (``nbytes`` None: it failed)."""
         job.account(fetch_s=fetch_s)
-        if error is None and self.observe_read is not None:
-            self.observe_read(sum(len(b) for b in blobs if b is not None), fetch_s, end=t1)
+        if nbytes is not None and self.observe_read is not None:
+            self.observe_read(nbytes, fetch_s, end=end)
         self.stats.add(fetch_s=fetch_s, fetch_batches=1)
         self.stats.sample(fetch_s=fetch_s)
-        objects = [(job, group, index, chunk, key, blob, error, fetched)
-                   for (index, chunk), key, blob in zip(batch, keys, blobs)]
-        if self._decode_pool is None:
-            for args in objects:
-                self._settle_object(*args)
-            return
-        # The batch stays held (memory bound) until the decode threads are done with it.
-        for future in [self._decode_pool.submit(self._settle_object, *args) for args in objects]:
-            future.result()
 
     def _settle_object(self, job: LoadJob, group: int, index: int, chunk: ChunkLoad, key: str, blob: bytes | None,
                        error: Exception | None, fetched: bool) -> None:
@@ -231,10 +252,91 @@ class Fetcher:
                 self._decode_scatter(job, group, chunk, key, blob)
                 ok = True
         except Exception as exc:  # noqa: BLE001 - any failure means "recompute these blocks"
-            self.stats.add(load_failures=1, **{f"load_failures_{failure_kind(exc)}": 1})
-            logger.warning("kvcodec: load of chunk %s group %d failed, recomputing: %s", chunk.chunk_hash[:12], group, exc)
+            self._failed(exc, chunk, group)
         finally:
             job.object_done(group, index, ok)
+
+    def _failed(self, exc: BaseException, chunk: ChunkLoad, group: int) -> None:
+        self.stats.add(load_failures=1, **{f"load_failures_{failure_kind(exc)}": 1})
+        logger.warning("kvcodec: load of chunk %s group %d failed, recomputing: %s", chunk.chunk_hash[:12], group, exc)
+
+    # ---- objects read in place (a local file store; see direct_read) ----------------------------------------
+
+    def _reads_in_place(self) -> bool:
+        return (isinstance(self.objects, PageObjects) and type(self.placement) is HostPlacement
+                and self.store.ranged_reads)
+
+    def _settle_in_place(self, job: LoadJob, group: int, index: int, chunk: ChunkLoad) -> Read | None:
+        """One object opened in the store: its pages read straight into the cache where they can be, else decoded."""
+        ok, read = False, None
+        try:
+            if not job.cancelled:  # cancelled before it was read: nothing to count
+                read = self._read_in_place(job, group, chunk, self.addresses.key(chunk.chunk_hash, group))
+                ok = True
+        except Exception as exc:  # noqa: BLE001 - any failure means "recompute these blocks"
+            self._failed(exc, chunk, group)
+        finally:
+            job.object_done(group, index, ok)
+        return read
+
+    def _read_in_place(self, job: LoadJob, group: int, chunk: ChunkLoad, key: str) -> Read:
+        """(bytes, seconds, when done) of the reads, for the batch's one fetch count."""
+        t0 = time.perf_counter()
+        try:
+            value = self.store.open_ranged(key)
+        except StoreError as exc:
+            raise LoadError(f"store read failed: {exc}", "store") from exc
+        if value is None:
+            raise LoadError(f"object {key} is missing", "missing")
+        with value:
+            head, header = read_head(value, key)
+            layers = self.groups[group]
+            self._check(header, len(layers), chunk.object_tokens or self.addresses.namespace.chunk_size)
+            buffers = self._page_buffers(layers, chunk.spans, header) if is_raw(header) else None
+            if buffers is None:  # compressed, or not landing whole: read it all, then decode and scatter
+                blob = value.read(0, value.size)
+                t1 = time.perf_counter()
+                self._decode_scatter(job, group, chunk, key, blob)
+                return Read(len(blob), t1 - t0, t1)
+            check_s = read_pages_into(value, head, header, buffers, lambda read: self._write(job, read))
+        t1 = time.perf_counter()
+        job.account(cpu_s=check_s, codec_id=header.codec_id)
+        self._loaded(group, chunk, header, value.size, decode_s=check_s, scatter_s=0.0, on_device=False)
+        self.stats.add(objects_read_in_place=1)
+        return Read(value.size, t1 - t0 - check_s, t1 - check_s)
+
+    def _page_buffers(self, layers: list[int], spans: list[Span], header: ChunkHeader) -> list[memoryview] | None:
+        """Where a raw page object's bytes go, in payload order; None unless it lands whole in one group's blocks."""
+        groups = {self.placement.cache_groups[layer] for layer in layers}
+        span = spans[groups.pop()] if len(groups) == 1 else None
+        if span is None or not span.slots:
+            return None
+        first = self.layouts[layers[0]]
+        bs = first.block_size
+        if span.first_token % bs or len(span.slots) != header.shape[1 + first.block_axis] * bs:
+            return None
+        runs = block_runs(PageObjects.block_list(span.slots, bs))
+        buffers: list[memoryview] = []
+        for layer in layers:
+            extents = self.layouts[layer].page_extents(self.caches[layer], runs)
+            if extents is None:
+                return None
+            if (raw := self._cache_bytes.get(layer)) is None:
+                raw = self._cache_bytes[layer] = cache_bytes(self.caches[layer])
+            buffers += [raw[at : at + n] for at, n in extents]
+        return buffers
+
+    @staticmethod
+    def _write(job: LoadJob, write: Callable[[], None]) -> None:
+        """A write into paged memory, only while the load is not cancelled (a cancelled load's blocks are vLLM's)."""
+        if not job.begin_write():
+            raise LoadError("load cancelled (timeout)", "timeout")
+        try:
+            write()
+        finally:
+            job.end_write()
+
+    # ---- decode, then scatter ---------------------------------------------------------------------------------
 
     def _decode_scatter(self, job: LoadJob, group: int, chunk: ChunkLoad, key: str, blob: bytes | None) -> None:
         if blob is None:
@@ -245,21 +347,20 @@ class Fetcher:
         self._check(header, len(layers), chunk.object_tokens or self.addresses.namespace.chunk_size)
         decoded = self.placement.decode(blob, header, chunk.spans)
         t2 = time.perf_counter()
-        if not job.begin_write():
-            raise LoadError("load cancelled (timeout)", "timeout")
-        try:
-            self.placement.scatter(layers, decoded)
-        finally:
-            job.end_write()
+        self._write(job, lambda: self.placement.scatter(layers, decoded))
         t3 = time.perf_counter()
         job.account(cpu_s=t3 - t1, codec_id=header.codec_id)
+        self._loaded(group, chunk, header, len(blob), decode_s=t2 - t1, scatter_s=t3 - t2, on_device=decoded.on_device)
+
+    def _loaded(self, group: int, chunk: ChunkLoad, header: ChunkHeader, nbytes: int, *, decode_s: float,
+                scatter_s: float, on_device: bool) -> None:
         self.stats.add(
-            loaded_objects=1, loaded_bytes=len(blob), loaded_raw_bytes=header.raw_nbytes,
-            decode_s=t2 - t1, scatter_s=t3 - t2, **{f"codec_{header.codec_id}_loads": 1},
+            loaded_objects=1, loaded_bytes=nbytes, loaded_raw_bytes=header.raw_nbytes,
+            decode_s=decode_s, scatter_s=scatter_s, **{f"codec_{header.codec_id}_loads": 1},
             **({"loaded_tokens": chunk.tokens} if group == 0 else {}),
-            **({"gpu_decoded_objects": 1} if decoded.on_device else {}),
+            **({"gpu_decoded_objects": 1} if on_device else {}),
         )
-        self.stats.sample(decode_s=t2 - t1, scatter_s=t3 - t2)
+        self.stats.sample(decode_s=decode_s, scatter_s=scatter_s)
 
     def _check(self, header: ChunkHeader, num_layers: int, tokens: int) -> None:
         """The object must hold exactly one layer group of ``tokens`` of this engine's KV, before anything is decoded."""

@@ -1,0 +1,67 @@
+"""Raw page objects read from a local file straight into paged memory: one copy, as vLLM's own connectors do.
+
+The usual load path reads an object into a new buffer, then copies its pages
+into the cache: two copies of every byte, and a fresh buffer to fault in. When
+the store keeps values in local files (:attr:`storage.Store.ranged_reads`), the
+objects are pages (``object_layout: pages``), the caches are one contiguous
+host tensor per layer, the codec is raw and the object lands whole (every
+layer in one KV cache group, from its first block on), the payload is read
+with one ``preadv`` into the destination blocks instead. Anything else (a
+compressed object, a partial span, a window group's share) reads the whole
+value and goes the usual way.
+
+The input is still untrusted, and the order of checks keeps that safe: the
+header (magic, version, every size against the file's length, the key the
+object is bound to, the shape, dtype and codec this engine expects) and the
+destination blocks are validated before a byte is written; the checksum over
+the header, the pages as written and the trailer is verified after. A
+mismatch fails the object like any corrupt one: the blocks it wrote belong to
+this load alone, and vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import xxhash
+
+from storage.ranged import RangedValue
+from vllm_kvcodec.codecs import get_codec
+from vllm_kvcodec.errors import ChunkFormatError
+from vllm_kvcodec.format import CHECKSUM_BYTES, MAX_HEADER_BYTES, ChunkHeader, header_length, parse_header
+
+_RAW_CONFIG = get_codec("raw").get_config()
+
+
+def read_head(value: RangedValue, key: str) -> tuple[bytes, ChunkHeader]:
+    """The object's header bytes and what they say, validated against the value's length and ``key``."""
+    prefix = value.read(0, min(value.size, MAX_HEADER_BYTES))  # one pread holds any header
+    head = prefix[: header_length(prefix)]
+    return head, parse_header(head, value.size, key=key)
+
+
+def is_raw(header: ChunkHeader) -> bool:
+    """The payload is the pages' bytes as they lie in memory on this host."""
+    return header.codec_config == _RAW_CONFIG and header.payload_length == header.raw_nbytes and sys.byteorder == "little"
+
+
+def read_pages_into(value: RangedValue, head: bytes, header: ChunkHeader, buffers: Sequence[memoryview],
+                    write: Callable[[Callable[[], None]], None]) -> float:
+    """Fill ``buffers`` (the object's pages in payload order) from ``value``, then verify the checksum over them.
+
+    ``write`` runs the read as the load's write into paged memory (it refuses
+    once the load was cancelled). Returns the seconds spent on the checksum.
+    """
+    if sum(b.nbytes for b in buffers) != header.payload_length:
+        raise ChunkFormatError(f"payload of {header.payload_length} bytes for {sum(b.nbytes for b in buffers)} bytes of pages")
+    write(lambda: value.read_into(header.payload_offset, buffers))
+    t0 = time.perf_counter()
+    digest = xxhash.xxh3_64(head)
+    for b in buffers:
+        digest.update(b)
+    stored = int.from_bytes(value.read(value.size - CHECKSUM_BYTES, CHECKSUM_BYTES), "little")
+    if digest.intdigest() != stored:
+        raise ChunkFormatError("checksum mismatch: the chunk is corrupted (its pages are recomputed)")
+    return time.perf_counter() - t0
