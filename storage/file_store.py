@@ -117,24 +117,28 @@ class FileStore(Store):
         """The value as a :class:`FileRange` of its object file (the version open now, even if replaced later)."""
         path = self._path(key)
         try:
-            f = open(path, "rb", buffering=0)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise StoreUnavailableError(f"file store read of {key!r} failed: {exc}") from exc
         try:
-            stored = _read_header(f)
-            if stored is None:
-                raise StoreError(f"file store object {path!r} has no valid header (not written by this store?)")
-            if stored != key:  # a hash collision: another key's object
-                return None
+            expected = _header(key)
+            head = os.pread(fd, len(expected), 0)  # the header this key's object starts with, in one read
+            if head != expected:
+                if head[: len(_MAGIC)] != _MAGIC:
+                    raise StoreError(f"file store object {path!r} has no valid header (not written by this store?)")
+                os.close(fd)
+                return None  # another key's object: a hash collision
             if self._cap:
-                stamp(f.fileno())
-            return FileRange(os.dup(f.fileno()), f.tell(), path)
+                stamp(fd)
+            return FileRange(fd, len(expected), path)
         except OSError as exc:
+            os.close(fd)
             raise StoreUnavailableError(f"file store read of {key!r} failed: {exc}") from exc
-        finally:
-            f.close()
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _put(self, key: str, value: memoryview) -> None:
         header = _header(key)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import struct
 from typing import Any
 
@@ -67,7 +68,7 @@ class ChunkHeader:
 
     @property
     def raw_nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # Python ints: exact at any size
 
 
 def key_digest(key: str) -> int:
@@ -247,7 +248,7 @@ def _check_shape(shape: tuple[int, ...]) -> None:
         raise ChunkFormatError(f"ndim {len(shape)} outside [1, {MAX_NDIM}]")
     if any(d < 1 or d > 0xFFFFFFFF for d in shape):
         raise ChunkFormatError(f"shape {tuple(shape)} has an empty or oversized dimension")
-    if int(np.prod(shape, dtype=np.float64)) > MAX_ELEMENTS:
+    if math.prod(shape) > MAX_ELEMENTS:
         raise ChunkFormatError(f"shape {tuple(shape)} exceeds {MAX_ELEMENTS} elements")
 
 

@@ -169,7 +169,7 @@ class Fetcher:
         self.objects = self.placement.objects = object_layout_for(addresses.namespace.layout_id)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-fetch", initializer=one_torch_thread)
         self._decode_pool: ThreadPoolExecutor | None = None
-        self._cache_bytes: dict[int, memoryview] = {}  # per layer, for objects read in place
+        self._cache_bytes: dict[int, tuple[memoryview, tuple[object, ...]]] = {}  # per layer, for reads in place
         self.fetch_threads, self.cpu_threads = threads, threads  # who fetches, who decodes and scatters
         if decode_threads is not None and decode_threads < threads:
             self.cpu_threads = decode_threads
@@ -317,14 +317,25 @@ class Fetcher:
             return None
         runs = block_runs(PageObjects.block_list(span.slots, bs))
         buffers: list[memoryview] = []
+        extents: list[tuple[int, int]] | None = None
+        seen: tuple[object, ...] | None = None
         for layer in layers:
-            extents = self.layouts[layer].page_extents(self.caches[layer], runs)
-            if extents is None:
-                return None
-            if (raw := self._cache_bytes.get(layer)) is None:
-                raw = self._cache_bytes[layer] = cache_bytes(self.caches[layer])
+            raw, same = self._layer_bytes(layer)
+            if extents is None or same != seen:  # layers alike (layout, shape, strides, dtype) share the extents
+                extents, seen = self.layouts[layer].page_extents(self.caches[layer], runs), same
+                if extents is None:
+                    return None
             buffers += [raw[at : at + n] for at, n in extents]
         return buffers
+
+    def _layer_bytes(self, layer: int) -> tuple[memoryview, tuple[object, ...]]:
+        """A layer's cache bytes and what its page extents depend on (computed once: caches never change)."""
+        if (known := self._cache_bytes.get(layer)) is None:
+            cache, layout = self.caches[layer], self.layouts[layer]
+            raw = cache_bytes(cache) if cache.device.type == "cpu" and cache.is_contiguous() else memoryview(b"")
+            known = self._cache_bytes[layer] = (raw, (type(layout), layout.geometry, tuple(cache.shape),
+                                                      tuple(cache.stride()), cache.dtype, raw.nbytes))
+        return known
 
     @staticmethod
     def _write(job: LoadJob, write: Callable[[], None]) -> None:
