@@ -113,6 +113,7 @@ class WorkerHalf:
         threads = load_threads(self.config.fetch_threads, self.config.decode_threads, on_device=caches[0].is_cuda,
                                reads_in_memory=self.store.reads_in_memory, whole_loads=self._whole_loads)
         self.chooser.decoders = threads.decode
+        self.chooser.reads_cost_cpu = self.store.reads_in_memory
         self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered, threads.fetch,
                                               self.stats, self.chooser.observe_read,
                                               cache_groups=self.layer_cache_groups, decode_threads=threads.decode)
@@ -226,12 +227,16 @@ class WorkerHalf:
         the prefill takes cores from its OpenMP team, which then waits on its
         slowest thread; waiting lets the load run alone on every core. That
         pays where decode outlasts the fetches (:mod:`vllm_kvcodec.load.load_balance`),
-        never for raw objects, whose CPU work is a copy the overlap hides.
+        and always where the store's reads are memory copies on this host (a
+        local file store), whose every part is CPU work the overlap cannot
+        hide: a 4096-token raw replay from the local disk took 1.52x the local
+        hit waiting against 1.75x beside the prefill (2 cores). It never pays for
+        raw objects from a network store, whose CPU work is a copy the wire time hides.
         Before the first load, auto judges by the codec this instance saves with.
         """
         if not self._whole_loads:
             return False
-        if self.config.load_wait == "whole":
+        if self.config.load_wait == "whole" or self.store.reads_in_memory:
             return True
         balance = self._load_balance
         if balance.cpu_bound is None or balance.mostly_coded is None:
