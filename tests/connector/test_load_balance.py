@@ -28,17 +28,6 @@ def test_per_thread_seconds_decide() -> None:
     assert even.cpu_bound is False
 
 
-def test_the_share_of_coded_objects_is_followed_apart() -> None:
-    balance = LoadBalance()
-    balance.observe(0.01, 1, 0.05, 1)  # no object decoded: no share to follow
-    assert balance.cpu_bound is True and balance.mostly_coded is None
-    balance.observe(0.01, 1, 0.05, 1, coded_share=0.0)  # a raw load
-    assert balance.mostly_coded is False
-    for _ in range(3):
-        balance.observe(0.01, 1, 0.05, 1, coded_share=1.0)  # then rans loads
-    assert balance.mostly_coded is True
-
-
 def test_one_odd_load_does_not_flip_a_settled_verdict() -> None:
     balance = LoadBalance()
     for _ in range(5):

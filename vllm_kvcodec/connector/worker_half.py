@@ -226,22 +226,21 @@ class WorkerHalf:
         On a CPU engine whose threads take every core, a load decoding beside
         the prefill takes cores from its OpenMP team, which then waits on its
         slowest thread; waiting lets the load run alone on every core. That
-        pays where decode outlasts the fetches (:mod:`vllm_kvcodec.load.load_balance`),
+        pays where decode and copies outlast the fetches (:mod:`vllm_kvcodec.load.load_balance`),
         and always where the store's reads are memory copies on this host (a
         local file store), whose every part is CPU work the overlap cannot
         hide: a 4096-token raw replay from the local disk took 1.52x the local
-        hit waiting against 1.75x beside the prefill (2 cores). It never pays for
-        raw objects from a network store, whose CPU work is a copy the wire time hides.
+        hit waiting against 1.75x beside the prefill (2 cores).
         Before the first load, auto judges by the codec this instance saves with.
         """
         if not self._whole_loads:
             return False
         if self.config.load_wait == "whole" or self.store.reads_in_memory:
             return True
-        balance = self._load_balance
-        if balance.cpu_bound is None or balance.mostly_coded is None:
+        cpu_bound = self._load_balance.cpu_bound
+        if cpu_bound is None:
             return self.chooser.current_id not in (None, "raw")
-        return balance.cpu_bound and balance.mostly_coded
+        return cpu_bound
 
     def _finish_sync_load(self) -> None:
         """The step's sync loads end with its forward pass; both of vLLM's end-of-step calls need their outcome
@@ -250,8 +249,7 @@ class WorkerHalf:
         if job is not None:
             job.done.wait(max(0.0, job.deadline - time.monotonic()))
             if (fetcher := self.fetcher) is not None:
-                coded = job.coded_objects / job.decoded_objects if job.decoded_objects else None
-                self._load_balance.observe(job.fetch_s, fetcher.fetch_threads, job.cpu_s, fetcher.cpu_threads, coded)
+                self._load_balance.observe(job.fetch_s, fetcher.fetch_threads, job.cpu_s, fetcher.cpu_threads)
             self._settle(job)
 
     def _settle(self, job: LoadJob) -> None:

@@ -46,7 +46,7 @@ from storage import Store, StoreError
 from vllm_kvcodec.errors import ChunkFormatError
 from vllm_kvcodec.format import ChunkHeader, decode_payload, read_header
 from vllm_kvcodec.keys import ObjectAddresses
-from vllm_kvcodec.load.direct_read import is_raw, read_head, read_pages_into
+from vllm_kvcodec.load.direct_read import copy_into, is_raw, read_head, read_pages_into
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PagedLayout
 from vllm_kvcodec.paged.base import block_runs, cache_bytes
@@ -292,7 +292,7 @@ class Fetcher:
             head, header = read_head(value, key)
             layers = self.groups[group]
             self._check(header, len(layers), chunk.object_tokens or self.addresses.namespace.chunk_size)
-            buffers = self._page_buffers(layers, chunk.spans, header) if is_raw(header) else None
+            buffers = self._raw_page_buffers(layers, chunk.spans, header)
             if buffers is None:  # compressed, or not landing whole: read it all, then decode and scatter
                 blob = value.read(0, value.size)
                 t1 = time.perf_counter()
@@ -300,7 +300,7 @@ class Fetcher:
                 return Read(len(blob), t1 - t0, t1)
             check_s = read_pages_into(value, head, header, buffers, lambda read: self._write(job, read))
         t1 = time.perf_counter()
-        job.account(cpu_s=check_s, codec_id=header.codec_id)
+        job.account(cpu_s=check_s)
         self._loaded(group, chunk, header, value.size, decode_s=check_s, scatter_s=0.0, on_device=False)
         self.stats.add(objects_read_in_place=1)
         return Read(value.size, t1 - t0 - check_s, t1 - check_s)
@@ -356,12 +356,26 @@ class Fetcher:
         header = read_header(blob, key=key)  # sizes, checksum and key binding: a swapped object is rejected
         layers = self.groups[group]
         self._check(header, len(layers), chunk.object_tokens or self.addresses.namespace.chunk_size)
-        decoded = self.placement.decode(blob, header, chunk.spans)
-        t2 = time.perf_counter()
-        self._write(job, lambda: self.placement.scatter(layers, decoded))
+        if (buffers := self._raw_page_buffers(layers, chunk.spans, header)) is not None:
+            # A raw page object landing whole: its payload is the pages; copy it where they go, no tensors between.
+            t2 = time.perf_counter()
+            payload = memoryview(blob)[header.payload_offset : header.payload_offset + header.payload_length]
+            self._write(job, lambda: copy_into(payload, buffers))
+            on_device = False
+        else:
+            decoded = self.placement.decode(blob, header, chunk.spans)
+            t2 = time.perf_counter()
+            self._write(job, lambda: self.placement.scatter(layers, decoded))
+            on_device = decoded.on_device
         t3 = time.perf_counter()
-        job.account(cpu_s=t3 - t1, codec_id=header.codec_id)
-        self._loaded(group, chunk, header, len(blob), decode_s=t2 - t1, scatter_s=t3 - t2, on_device=decoded.on_device)
+        job.account(cpu_s=t3 - t1)
+        self._loaded(group, chunk, header, len(blob), decode_s=t2 - t1, scatter_s=t3 - t2, on_device=on_device)
+
+    def _raw_page_buffers(self, layers: list[int], spans: list[Span], header: ChunkHeader) -> list[memoryview] | None:
+        """Where a raw page object's payload goes in host caches, when it lands whole (see :meth:`_page_buffers`)."""
+        if not (isinstance(self.objects, PageObjects) and type(self.placement) is HostPlacement and is_raw(header)):
+            return None
+        return self._page_buffers(layers, spans, header)
 
     def _loaded(self, group: int, chunk: ChunkLoad, header: ChunkHeader, nbytes: int, *, decode_s: float,
                 scatter_s: float, on_device: bool) -> None:

@@ -34,8 +34,6 @@ class LoadJob:
         self.started = time.monotonic()
         self.fetch_s = 0.0  # seconds of its store round trips, summed over fetch threads
         self.cpu_s = 0.0  # thread-seconds of its decodes and scatters
-        self.coded_objects = 0  # objects decoded by a codec other than raw
-        self.decoded_objects = 0
         # Objects still pending per request, and who hears each request's load wall time (the load histogram).
         self._left: collections.Counter[str] = collections.Counter()
         self.on_request_loaded: Callable[[float], None] = lambda seconds: None
@@ -111,14 +109,11 @@ class LoadJob:
             event.set()
         self.done.set()
 
-    def account(self, fetch_s: float = 0.0, cpu_s: float = 0.0, codec_id: str | None = None) -> None:
+    def account(self, fetch_s: float = 0.0, cpu_s: float = 0.0) -> None:
         """Add a fetch's seconds, or an object's decode and scatter (threads report concurrently)."""
         with self._cond:
             self.fetch_s += fetch_s
             self.cpu_s += cpu_s
-            if codec_id is not None:
-                self.decoded_objects += 1
-                self.coded_objects += codec_id != "raw"
 
     def wait_all(self, deadline: float) -> bool:
         return self.done.wait(max(0.0, deadline - time.monotonic()))
