@@ -46,7 +46,7 @@ from storage import Store, StoreError
 from vllm_kvcodec.errors import ChunkFormatError
 from vllm_kvcodec.format import ChunkHeader, decode_payload, read_header
 from vllm_kvcodec.keys import ObjectAddresses
-from vllm_kvcodec.load.direct_read import copy_into, is_raw, read_head, read_pages_into
+from vllm_kvcodec.load.direct_read import copy_into, is_raw, read_head, read_pages_into, tensor_bytes
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PagedLayout
 from vllm_kvcodec.paged.base import block_runs, cache_bytes
@@ -292,7 +292,7 @@ class Fetcher:
             head, header = read_head(value, key)
             layers = self.groups[group]
             self._check(header, len(layers), chunk.object_tokens or self.addresses.namespace.chunk_size)
-            buffers = self._raw_page_buffers(layers, chunk.spans, header)
+            buffers = self._whole_page_buffers(layers, chunk.spans, header) if is_raw(header) else None
             if buffers is None:  # compressed, or not landing whole: read it all, then decode and scatter
                 blob = value.read(0, value.size)
                 t1 = time.perf_counter()
@@ -306,7 +306,7 @@ class Fetcher:
         return Read(value.size, t1 - t0 - check_s, t1 - check_s)
 
     def _page_buffers(self, layers: list[int], spans: list[Span], header: ChunkHeader) -> list[memoryview] | None:
-        """Where a raw page object's bytes go, in payload order; None unless it lands whole in one group's blocks."""
+        """Where a page object's bytes go, in payload order; None unless it lands whole in one group's blocks."""
         groups = {self.placement.cache_groups[layer] for layer in layers}
         span = spans[groups.pop()] if len(groups) == 1 else None
         if span is None or not span.slots:
@@ -356,11 +356,14 @@ class Fetcher:
         header = read_header(blob, key=key)  # sizes, checksum and key binding: a swapped object is rejected
         layers = self.groups[group]
         self._check(header, len(layers), chunk.object_tokens or self.addresses.namespace.chunk_size)
-        if (buffers := self._raw_page_buffers(layers, chunk.spans, header)) is not None:
-            # A raw page object landing whole: its payload is the pages; copy it where they go, no tensors between.
+        if (buffers := self._whole_page_buffers(layers, chunk.spans, header)) is not None:
+            # A page object landing whole: its (decoded) payload is the pages, in order; copy it where they go.
+            if is_raw(header):
+                pages = memoryview(blob)[header.payload_offset : header.payload_offset + header.payload_length]
+            else:
+                pages = tensor_bytes(decode_payload(blob, header))
             t2 = time.perf_counter()
-            payload = memoryview(blob)[header.payload_offset : header.payload_offset + header.payload_length]
-            self._write(job, lambda: copy_into(payload, buffers))
+            self._write(job, lambda: copy_into(pages, buffers))
             on_device = False
         else:
             decoded = self.placement.decode(blob, header, chunk.spans)
@@ -371,9 +374,9 @@ class Fetcher:
         job.account(cpu_s=t3 - t1)
         self._loaded(group, chunk, header, len(blob), decode_s=t2 - t1, scatter_s=t3 - t2, on_device=on_device)
 
-    def _raw_page_buffers(self, layers: list[int], spans: list[Span], header: ChunkHeader) -> list[memoryview] | None:
-        """Where a raw page object's payload goes in host caches, when it lands whole (see :meth:`_page_buffers`)."""
-        if not (isinstance(self.objects, PageObjects) and type(self.placement) is HostPlacement and is_raw(header)):
+    def _whole_page_buffers(self, layers: list[int], spans: list[Span], header: ChunkHeader) -> list[memoryview] | None:
+        """Where a page object's pages go in host caches, when it lands whole (see :meth:`_page_buffers`)."""
+        if not (isinstance(self.objects, PageObjects) and type(self.placement) is HostPlacement):
             return None
         return self._page_buffers(layers, spans, header)
 
