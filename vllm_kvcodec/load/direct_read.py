@@ -8,7 +8,9 @@ host tensor per layer, the codec is raw and the object lands whole (every
 layer in one KV cache group, from its first block on), the payload is read
 with one ``preadv`` into the destination blocks instead. Anything else (a
 compressed object, a partial span, a window group's share) reads the whole
-value and goes the usual way.
+value and goes the usual way. Objects fetched as bytes (from any store) that
+land whole are still copied without tensors: :func:`copy_into` moves their
+payload (raw) or decoded array into the same page extents.
 
 The input is still untrusted, and the order of checks keeps that safe: the
 header (magic, version, every size against the file's length, the key the
@@ -69,7 +71,7 @@ def read_pages_into(value: RangedValue, head: bytes, header: ChunkHeader, buffer
 
 
 def copy_into(payload: memoryview, buffers: Sequence[memoryview]) -> None:
-    """A fetched raw payload (validated, checksum verified) into ``buffers``, in order: plain memory copies.
+    """An object's pages (a validated raw payload or a decoded array) into ``buffers``, in order: memory copies.
 
     Why not the torch page writes: for 94 MB in 480 layer copies this is 11 ms
     on one thread against 26 ms (no tensors built, no per-call dispatch).

@@ -8,7 +8,9 @@ kernels) release the GIL, so threads overlap for real.
 Objects are fetched in batches, one store round trip each (``get_many``: one
 Redis MGET, one Mooncake batch read), of at most ``BATCH_BYTES`` of raw KV: a
 distant store costs a few round trips per load, not one per object, and memory
-stays bounded (each fetch thread holds one batch until it is decoded).
+stays bounded (each fetch thread holds one batch until it is decoded). From a
+store whose values lie in local files, raw page objects are instead read
+straight into their pages, one object at a time (:mod:`.direct_read`).
 
 Fetching and decoding run on two pools: ``threads`` fetch (I/O: several round
 trips in flight, GIL released), ``decode_threads`` decode and scatter (CPU).
