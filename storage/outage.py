@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from storage.base import Store
-from storage.ranged import RangedValue
 from storage.errors import StoreUnavailableError
 from storage.options import redact_url
+from storage.ranged import RangedValue
 
 logger = logging.getLogger("vllm_kvcodec")
 _T = TypeVar("_T")

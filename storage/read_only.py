@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from storage.base import Store
-from storage.ranged import RangedValue
 from storage.errors import StoreError
+from storage.ranged import RangedValue
 
 
 class ReadOnlyError(StoreError):

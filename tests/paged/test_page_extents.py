@@ -9,28 +9,20 @@ patterns; blocks outside the cache are refused before any extent exists.
 
 from __future__ import annotations
 
-import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
 
-from tests.paged.test_page_runs import BS, DTYPES, LAYOUTS, NB, H, D, _cache
+from tests.paged.test_page_runs import BS, NB, PAGE_CASES, H, D, _cache, destination
 from vllm_kvcodec.paged import CpuAttnVecLayout, FlashSplitKVLayout, Geometry
 from vllm_kvcodec.paged.base import SlotError, block_runs, cache_bytes
 from vllm_kvcodec.paged.objects import PageObjects
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    cls=st.sampled_from(LAYOUTS),
-    dtype=st.sampled_from(DTYPES),
-    blocks=st.lists(st.integers(0, NB - 1), min_size=1, max_size=8, unique=True),
-    consecutive=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
+@given(**PAGE_CASES)
 def test_payload_into_extents_equals_write_pages(cls, dtype, blocks, consecutive, seed) -> None:
-    if consecutive:
-        blocks = list(range(blocks[0], min(NB, blocks[0] + len(blocks))))
+    blocks = destination(blocks, consecutive)
     gen = torch.Generator().manual_seed(seed)
     layout = cls(Geometry(H, D, BS, dtype))
     source, in_place = _cache(cls, dtype, gen), _cache(cls, dtype, gen)

@@ -33,24 +33,31 @@ def _cache(cls, dtype, gen) -> torch.Tensor:
     return torch_random_bits(shape, dtype, gen)
 
 
+#: Page-write cases: a layout, a dtype, destination blocks (see :func:`destination`) and a seed.
+PAGE_CASES = {
+    "cls": st.sampled_from(LAYOUTS),
+    "dtype": st.sampled_from(DTYPES),
+    "blocks": st.lists(st.integers(0, NB - 1), min_size=1, max_size=8, unique=True),
+    "consecutive": st.booleans(),
+    "seed": st.integers(0, 2**16),
+}
+
+
+def destination(blocks: list[int], consecutive: bool) -> list[int]:
+    """``blocks`` as drawn, or (vLLM's usual case) one run from the first of them, placed anywhere in the cache."""
+    return list(range(blocks[0], min(NB, blocks[0] + len(blocks)))) if consecutive else blocks
+
+
 def test_block_runs_split_where_ids_stop_being_consecutive() -> None:
     assert block_runs([]) == []
     assert block_runs([4, 5, 6, 2, 3, 9, 8]) == [BlockRun(4, 0, 3), BlockRun(2, 3, 2), BlockRun(9, 5, 1), BlockRun(8, 6, 1)]
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    cls=st.sampled_from(LAYOUTS),
-    dtype=st.sampled_from(DTYPES),
-    blocks=st.lists(st.integers(0, NB - 1), min_size=1, max_size=8, unique=True),
-    consecutive=st.booleans(),
-    start=st.integers(0, 3),
-    seed=st.integers(0, 2**16),
-)
+@given(start=st.integers(0, 3), **PAGE_CASES)
 def test_run_writes_equal_index_copy(cls, dtype, blocks, consecutive, start, seed) -> None:
     """A partial object (its pages from ``start`` on) written by runs equals the same write by ``index_copy_``."""
-    if consecutive:  # vLLM's usual case: one run, placed anywhere in the cache
-        blocks = list(range(blocks[0], min(NB, blocks[0] + len(blocks))))
+    blocks = destination(blocks, consecutive)
     gen = torch.Generator().manual_seed(seed)
     layout = cls(Geometry(H, D, BS, dtype))
     source, by_runs = _cache(cls, dtype, gen), _cache(cls, dtype, gen)

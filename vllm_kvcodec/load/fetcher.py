@@ -264,9 +264,12 @@ class Fetcher:
 
     # ---- objects read in place (a local file store; see direct_read) ----------------------------------------
 
+    def _host_pages(self) -> bool:
+        """Page objects into host caches: what reads in place and ``copy_into`` write (by page extents)."""
+        return isinstance(self.objects, PageObjects) and type(self.placement) is HostPlacement
+
     def _reads_in_place(self) -> bool:
-        return (isinstance(self.objects, PageObjects) and type(self.placement) is HostPlacement
-                and self.store.ranged_reads)
+        return self._host_pages() and self.store.ranged_reads
 
     def _settle_in_place(self, job: LoadJob, group: int, index: int, chunk: ChunkLoad) -> Read | None:
         """One object opened in the store: its pages read straight into the cache where they can be, else decoded."""
@@ -378,9 +381,7 @@ class Fetcher:
 
     def _whole_page_buffers(self, layers: list[int], spans: list[Span], header: ChunkHeader) -> list[memoryview] | None:
         """Where a page object's pages go in host caches, when it lands whole (see :meth:`_page_buffers`)."""
-        if not (isinstance(self.objects, PageObjects) and type(self.placement) is HostPlacement):
-            return None
-        return self._page_buffers(layers, spans, header)
+        return self._page_buffers(layers, spans, header) if self._host_pages() else None
 
     def _loaded(self, group: int, chunk: ChunkLoad, header: ChunkHeader, nbytes: int, *, decode_s: float,
                 scatter_s: float, on_device: bool) -> None:
