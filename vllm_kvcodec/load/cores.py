@@ -27,8 +27,8 @@ decode-bound (:mod:`.load_balance`), and a CPU engine that leaves no core
 idle decodes on every core (beside the prefill, two threads read as one did
 for raw: 1.56 / 1.32 against 1.44 / 1.34).
 
-Since loads copy pages without tensors (``direct_read``), on another 2-core
-host with little memory bandwidth per core one thread doing everything beat
+Since loads copy pages without tensors (``direct_read``), on a 2-core
+Intel Xeon with AMX, little memory bandwidth per core, one thread doing everything beat
 this policy's 2 decode and 4 fetch threads for raw at 100 Gbit/s (1.55 against
 1.75 x the local hit, waiting for the whole load; docs/benchmarks.md). Left as
 it is on one VM's evidence: the extra threads are for hosts with the bandwidth
