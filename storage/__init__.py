@@ -13,7 +13,7 @@ wrappers (``link+``, ``faults+``) and servers live in :mod:`storage.testing`.
 from storage.base import MAX_KEY_LENGTH, Store, validate_key
 from storage.errors import InvalidKeyError, StoreError, StoreUnavailableError, StoreURLError
 from storage.ranged import RangedValue
-from storage.registry import check_url, describe_schemes, open_store
+from storage.registry import check_url, describe_schemes, open_store, reads_in_memory
 
 __all__ = [
     "MAX_KEY_LENGTH",
@@ -26,5 +26,6 @@ __all__ = [
     "check_url",
     "describe_schemes",
     "open_store",
+    "reads_in_memory",
     "validate_key",
 ]

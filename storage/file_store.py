@@ -45,6 +45,19 @@ _HEADER = struct.Struct("<4sH")  # magic, key length; then the key, then the val
 
 def from_url(url: str, read_only: bool = False) -> "FileStore":
     """``file:///abs/path[?max_bytes=10GiB&fsync=1]`` (also ``file:relative/path``); ``read_only``: see FileStore."""
+    path, options = _parse_url(url)
+    max_bytes = parse_size("max_bytes", options["max_bytes"]) if "max_bytes" in options else None
+    fsync = parse_bool("fsync", options.get("fsync", "0"))
+    return FileStore(path, max_bytes=max_bytes, fsync=fsync, read_only=read_only)
+
+
+def reads_in_memory_at(url: str) -> bool:
+    """What :attr:`FileStore.reads_in_memory` of a store opened from ``url`` says, without opening it."""
+    return not on_network_filesystem(os.path.abspath(_parse_url(url)[0]))
+
+
+def _parse_url(url: str) -> tuple[str, dict[str, str]]:
+    """The directory a file URL names, and its options (unknown ones refused)."""
     base, options = split_query(url)
     reject_unknown(options, {"max_bytes", "fsync"}, url)
     parts = urlsplit(base)
@@ -53,9 +66,7 @@ def from_url(url: str, read_only: bool = False) -> "FileStore":
     path = unquote(parts.path)
     if not path:
         raise StoreURLError(f"{url!r} names no directory")
-    max_bytes = parse_size("max_bytes", options["max_bytes"]) if "max_bytes" in options else None
-    fsync = parse_bool("fsync", options.get("fsync", "0"))
-    return FileStore(path, max_bytes=max_bytes, fsync=fsync, read_only=read_only)
+    return path, options
 
 
 def object_name(key: str) -> str:

@@ -100,6 +100,24 @@ def check_url(url: str) -> str:
     return url
 
 
+def reads_in_memory(url: str) -> bool:
+    """What :attr:`Store.reads_in_memory` of the store ``url`` names says, from the URL alone.
+
+    Why: the connector shapes its keys by it (one object per chunk where
+    loads are memory copies that wait whole), and its scheduler half must
+    agree with its worker half before either has reached the store. A
+    wrapper says no: ``link+`` emulates a network, ``faults+`` is for tests.
+    """
+    scheme = scheme_of(url)
+    if scheme.name == "memory":
+        return True
+    if scheme.name == "file":
+        from storage.file_store import reads_in_memory_at
+
+        return reads_in_memory_at(url)
+    return False
+
+
 def open_store(url: str, *, read_only: bool = False) -> Store:
     """Open the store ``url`` names; raises StoreURLError for a malformed URL or an unknown scheme.
 

@@ -59,6 +59,11 @@ class Namespace:
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return xxhash.xxh3_128_hexdigest(blob)
 
+    def layer_groups(self) -> list[range]:
+        """The layers each stored object holds, in order: ``layers_per_object`` at a time."""
+        per = self.layers_per_object
+        return [range(i, min(i + per, self.num_layers)) for i in range(0, self.num_layers, per)]
+
 
 _OPTIONAL_FIELDS = ("kv_scales", "attention")
 

@@ -46,10 +46,33 @@ def test_chunk_size_must_be_a_multiple_of_the_block_size() -> None:
 
 
 def test_layer_groups_cover_every_layer_once() -> None:
-    config = ConnectorConfig.from_extra_config({})
-    groups = config.layer_groups(30)
-    assert [i for g in groups for i in g] == list(range(30)) and len(groups) == 6
-    assert len(ConnectorConfig.from_extra_config({"layers_per_object": 30}).layer_groups(30)) == 1
+    for per, count in ((5, 6), (7, 5), (30, 1), (1, 30)):
+        groups = _namespace(per).layer_groups()
+        assert [i for g in groups for i in g] == list(range(30)) and len(groups) == count
+
+
+@pytest.mark.parametrize("extra,on_cpu,per", [
+    ({}, True, 30),  # the default file store into a CPU engine: loads wait whole, one object per chunk
+    ({"store": "memory://x"}, True, 30),
+    ({}, False, 5),  # a GPU engine streams its layer groups
+    ({"load_wait": "layers"}, True, 5),
+    ({"store": "redis://cache:6379/0"}, True, 5),  # a network store's fetches hide under the prefill
+    ({"store": "link+file:///tmp/s?gbps=10"}, True, 5),
+    ({"share_across_platforms": True}, True, 5),  # canonical objects: GPU and CPU engines must agree
+    ({"object_layout": "canonical"}, True, 5),
+    ({"layers_per_object": 10}, True, 10),  # as configured
+    ({"layers_per_object": 10, "store": "redis://cache:6379/0"}, False, 10),
+    ({"layers_per_object": 64}, True, 30),
+])
+def test_layers_per_object_follow_how_loads_wait(extra: dict, on_cpu: bool, per: int) -> None:
+    assert ConnectorConfig.from_extra_config(extra).object_layers(30, on_cpu=on_cpu) == per
+
+
+def _namespace(per: int):
+    from vllm_kvcodec.keys import Namespace
+
+    return Namespace(model_id="m", dtype="bfloat16", num_layers=30, num_kv_heads=3, head_dim=64, layout_id="pages-bs16-v1",
+                     tp_size=1, chunk_size=256, layers_per_object=per)
 
 
 def test_configuration_reference_is_current() -> None:

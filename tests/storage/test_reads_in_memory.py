@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import open_store
+from storage import open_store, reads_in_memory
 from storage.file_store import filesystem_type
 from storage.outage import OutageGuard
 from vllm_kvcodec.load.cores import NETWORK_FETCH_THREADS, LoadThreads, load_threads, usable_cores
@@ -37,6 +37,24 @@ def test_local_and_memory_stores_read_in_memory_and_network_ones_do_not(tmp_path
     guard = OutageGuard(f"file://{tmp_path}/s", open_store)
     guard.probe()
     assert guard.reads_in_memory
+
+
+@pytest.mark.parametrize("url", ["file://{tmp}/s", "file://{tmp}/s?max_bytes=1GiB", "memory://", "link+file://{tmp}/s?gbps=10",
+                                 "faults+file://{tmp}/s?seed=1", "redis://127.0.0.1:1/0"])
+def test_the_url_alone_tells_what_the_open_store_says(tmp_path: Path, url: str) -> None:
+    """The connector shapes its keys by it before either half opens the store: both must agree with the store."""
+    url = url.format(tmp=tmp_path)
+    said = reads_in_memory(url)  # before the store exists: nothing is created or asked
+    assert not (tmp_path / "s").exists()
+    with open_store(url) as store:
+        assert said == store.reads_in_memory
+
+
+def test_a_file_store_on_a_network_file_system_does_not_read_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    import storage.file_store as fs
+
+    monkeypatch.setattr(fs, "on_network_filesystem", lambda path: path.startswith("/mnt/kv"))
+    assert not reads_in_memory("file:///mnt/kv/store") and reads_in_memory("file:///var/store")
 
 
 def test_load_threads_follow_the_engine_and_the_store() -> None:

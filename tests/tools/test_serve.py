@@ -27,7 +27,7 @@ CHUNK = 256
 FULL_CHUNKS = 3
 PROMPT = list(range(1000, 1000 + FULL_CHUNKS * CHUNK + 20))  # three whole chunks and a tail that is not stored
 OTHER = list(range(5000, 5040))  # shorter than a chunk: looked up, nothing to load or save
-GROUPS = 6  # SmolLM2's 30 layers in objects of 5 layers
+GROUPS = 1  # a file store into a CPU engine: SmolLM2's 30 layers in one object per chunk (layers_per_object)
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2  # layers x (K, V) x KV heads x head_dim x bf16
 
 
@@ -101,9 +101,10 @@ def check_metrics(metrics: dict) -> None:
         assert value(metrics, "vllm:kvcodec_load_failures_total", kind=kind) == 0
     assert value(metrics, "vllm:kvcodec_load_seconds_count") == 1  # one request loaded
     assert value(metrics, "vllm:kvcodec_load_seconds_sum") > 0
-    # one batched get per layer group (its 3 objects hold 2.9 MB of raw KV, under the 8 MiB batch), and
-    # one decode and one scatter per object
-    for stage, count in (("fetch", GROUPS), ("decode", FULL_CHUNKS * GROUPS), ("scatter", FULL_CHUNKS * GROUPS)):
+    # one fetch per batch (each object holds 5.9 MB of raw KV, so one fills an 8 MiB batch), and one decode
+    # and one scatter per object
+    objects = FULL_CHUNKS * GROUPS
+    for stage, count in (("fetch", objects), ("decode", objects), ("scatter", objects)):
         assert value(metrics, f"vllm:kvcodec_{stage}_seconds_count") == count
         assert value(metrics, f"vllm:kvcodec_{stage}_seconds_bucket", le="+Inf") == count
 
@@ -111,6 +112,6 @@ def check_metrics(metrics: dict) -> None:
 def check_log_lines(log: str) -> None:
     """The start-up line and the periodic totals of both sides show with vLLM's default logging."""
     assert "Creating v1 connector with name: KVCodecConnector" in log
-    assert re.search(r"INFO .*kvcodec: 30 KV layers in 6 groups", log), log[-3000:]
+    assert re.search(r"INFO .*kvcodec: 30 KV layers, 30 per stored object", log), log[-3000:]
     assert re.search(r"INFO .*kvcodec scheduler: .*hit_chunks=3", log), log[-3000:]
     assert re.search(r"INFO .*kvcodec worker: .*loaded_tokens=768", log), log[-3000:]

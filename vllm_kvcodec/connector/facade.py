@@ -78,7 +78,7 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
         self.config.check_block_size(block_size)
         self.config = self.config.model_copy(update={"load_mode": load_mode(self.config, cache_groups)})
         namespace = build_namespace(vllm_config, self.config, cache_groups, kv_cache_config)
-        groups = self.config.layer_groups(namespace.num_layers)
+        groups = namespace.layer_groups()
         self.scheduler: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -245,7 +245,6 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig, cache_gr
     if parallel.pipeline_parallel_size > 1:
         raise ConfigError("KVCodecConnector does not support pipeline parallelism yet")
     dtype = cache_dtype_name(vllm_config.cache_config.cache_dtype, model.dtype)
-    groups = config.layer_groups(model.get_num_layers(parallel))
     return Namespace(
         model_id=config.model_id or model_identity(model.model, model.revision, model.quantization),
         dtype=dtype,
@@ -255,11 +254,17 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig, cache_gr
         layout_id=config.object_layout_id(vllm_config.cache_config.block_size),
         tp_size=parallel.tensor_parallel_size,
         chunk_size=config.chunk_size,
-        layers_per_object=len(groups[0]),
+        layers_per_object=config.object_layers(model.get_num_layers(parallel), on_cpu=_on_cpu()),
         salt=config.salt,
         compute="" if config.share_across_platforms else compute_identity(vllm_config),
         attention=_attention(cache_groups, kv_cache_config),
     )
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type == "cpu"
 
 
 def _attention(cache_groups: CacheGroups | None, kv_cache_config: "KVCacheConfig | None") -> str:

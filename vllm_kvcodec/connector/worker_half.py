@@ -124,8 +124,8 @@ class WorkerHalf:
         self.chooser.token_axis = self.objects.token_axis
         if self.chooser.auto:
             self._probe_link(addresses)
-        logger.info("kvcodec: %d KV layers in %d groups (%d KV cache groups: %s), layout %s, store %s, codec %s, "
-                    "%d fetch / %d decode threads", len(names), len(self.groups), len(self.cache_groups.groups),
+        logger.info("kvcodec: %d KV layers, %d per stored object (%d KV cache groups: %s), layout %s, store %s, "
+                    "codec %s, %d fetch / %d decode threads", len(names), len(self.groups[0]), len(self.cache_groups.groups),
                     ", ".join(g.label for g in self.cache_groups.groups), ordered[0].layout_id,
                     redact_url(self.config.store), self.chooser.fixed or "auto", threads.fetch, threads.decode)
 

@@ -103,10 +103,10 @@ def _setup(tokens: int, store_url: str, codec: str) -> dict[str, Any]:
     layout = layout_for("CPU_ATTN", caches[0], block_size=BLOCK_SIZE, head_size=dim, num_kv_heads=heads)
     block_ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(0))  # a fragmented block table
     slots = (block_ids[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).reshape(-1)
-    groups = ConnectorConfig(codec=codec, store=store_url).layer_groups(layers)
     namespace = Namespace(model_id="bench-memory", dtype="bfloat16", num_layers=layers, num_kv_heads=heads,
                           head_dim=dim, layout_id=CANONICAL_NAMESPACE, tp_size=1, chunk_size=CHUNK_TOKENS,
-                          layers_per_object=len(groups[0]))
+                          layers_per_object=ConnectorConfig(codec=codec, store=store_url).object_layers(layers))
+    groups = namespace.layer_groups()
     hashes = chunk_hashes(namespace, list(range(tokens)), tokens // CHUNK_TOKENS)
     return {"base": base, "caches": caches, "layout": layout, "slots": slots, "block_ids": block_ids,
             "hashes": hashes, "store": open_store(store_url),
