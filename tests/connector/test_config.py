@@ -58,6 +58,8 @@ def test_layer_groups_cover_every_layer_once() -> None:
     ({"load_wait": "layers"}, True, 5),
     ({"store": "redis://cache:6379/0"}, True, 5),  # a network store's fetches hide under the prefill
     ({"store": "link+file:///tmp/s?gbps=10"}, True, 5),
+    ({"store": "redis://cache:6379/0", "load_wait": "whole"}, True, 30),  # waits whole by configuration
+    ({"store": "redis://cache:6379/0", "load_wait": "whole"}, False, 5),
     ({"share_across_platforms": True}, True, 5),  # canonical objects: GPU and CPU engines must agree
     ({"object_layout": "canonical"}, True, 5),
     ({"layers_per_object": 10}, True, 10),  # as configured

@@ -30,7 +30,7 @@ class ConnectorConfig(BaseModel):
     codec: str | dict[str, Any] | None = Field(None, description="Codec id or config dict (raw, zstd, splitzip, rans, video), 'auto' to pick by measured link and codec speed, or null for the densest codec the model's dtype allows (rans; zstd for float16).")
     chunk_size: int = Field(256, gt=0, description="Tokens per stored chunk; a multiple of vLLM's block_size.")
     prompt_tails: bool = Field(False, description="Also store each prompt's tail past its last full chunk (whole blocks, up to the block holding its last token: what vLLM can take from a cache), and load it when a prompt repeats or extends it, so a replayed prompt or the next turn of a chat recomputes one block instead of up to chunk_size tokens. Costs one more object per request (up to chunk_size tokens of encode), used only by a prompt that repeats this one's tokens; off, like LMCache's save_unfull_chunk.")
-    layers_per_object: int = Field(0, ge=0, description="Layers per stored object, so loads stream layer group by layer group. 0: every layer in one object where loads wait whole anyway (page objects from a store on this host, a file or memory store, into a CPU engine, load_wait not 'layers'): each object costs about 0.2 ms of its own, and a raw 4096-token replay from the local disk loads in 25 ms in 16 objects against 44 ms in 96 (2 cores); elsewhere about 6 groups. Part of the keys: engines share chunks only with the same value.")
+    layers_per_object: int = Field(0, ge=0, description="Layers per stored object, so loads stream layer group by layer group. 0: every layer in one object where loads wait whole anyway (page objects into a CPU engine, with load_wait 'whole', or 'auto' and a store on this host: a file or memory store): each object costs its own reads, checks and hand-offs, and a raw 4096-token load took 25 ms in 16 objects against 44 ms in 96 from the local disk, 54 against 87 ms behind an emulated 100 Gbit/s link (2 cores); elsewhere about 6 groups. Part of the keys: engines share chunks only with the same value.")
     load_mode: Literal["sync", "async"] = Field("sync", description="sync: prefill of the suffix waits per layer; async: the request waits aside (WAITING_FOR_REMOTE_KVS) until its prefix is loaded.")
     load_wait: Literal["auto", "layers", "whole"] = Field("auto", description="How the prefill of a step with sync loads waits for them. layers: each layer waits for its own layer group, so the load overlaps the prefill; whole: the first layer waits for the whole load, which then has every core (on a CPU engine whose threads take every core, the decode threads are as many as the cores). auto: whole on a CPU engine whose threads leave no core idle, where the store's reads are memory copies on this host (a local file store) or while recent loads spent longer decoding and copying than fetching (per thread; before the first load: while the codec this instance saves with is not raw); else layers. Measured on 2 cores: rans at 100 Gbit/s 2.8 -> 2.2 x the local hit; at 1 Gbit/s waiting would cost 620 ms against 548; a raw replay from the local disk 1.75 -> 1.52 (see docs/benchmarks.md).")
     fetch_threads: int | None = Field(None, ge=1, le=64, description="Threads that fetch stored objects (store round trips in flight at once). Unset: as many as decode_threads for a store whose reads are memory copies on this host (file, memory), else 4 (and at least decode_threads).")
@@ -112,16 +112,19 @@ class ConnectorConfig(BaseModel):
 
         Decided from the configuration and the platform alone, so both
         halves agree before either reaches a store: page objects (one
-        platform's KV anyway), a store whose reads are memory copies on this
-        host, a CPU engine, and ``load_wait`` not ``layers``. Nothing of such
-        a load hides under the prefill (it is CPU work on the same cores), so
-        the worker half waits for it whole where the engine's threads take
-        every core; with one group the first layer waits for all of it anyway.
+        platform's KV anyway) into a CPU engine, and ``load_wait`` ``whole``,
+        or ``auto`` with a store whose reads are memory copies on this host.
+        Nothing of such a load hides under the prefill (it is CPU work on the
+        same cores), so the worker half waits for it whole where the engine's
+        threads take every core; with one group the first layer waits for
+        all of it anyway. ``auto`` with a network store keeps its groups: it
+        waits per layer while loads are bound by the wire.
         """
         from storage import reads_in_memory
 
         pages = self.object_layout == "pages" or (self.object_layout == "auto" and not self.share_across_platforms)
-        return on_cpu and pages and self.load_wait != "layers" and reads_in_memory(self.store)
+        waits_whole = self.load_wait == "whole" or (self.load_wait == "auto" and reads_in_memory(self.store))
+        return on_cpu and pages and waits_whole
 
 
 def _explain(exc: ValidationError) -> str:
