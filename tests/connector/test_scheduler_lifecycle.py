@@ -30,6 +30,12 @@ def store(tmp_path: Path) -> str:
 SCHEDULING = pytest.mark.parametrize("pipelined", [False, True], ids=["sched", "async-sched"])
 
 
+#: For tests that reach one store through two URLs (plain, and behind ``link+`` or ``faults+``): the default
+#: layers per object follow the URL (one object per chunk for a local store, layer groups behind an emulated
+#: network), and both engines must key chunks alike.
+SAME_OBJECTS = {"layers_per_object": 1}
+
+
 def make(tmp_path: Path, store: str, pipelined: bool = False, **kw: Any) -> Engine:
     return Engine(tmp_path, store, async_scheduling=pipelined, **kw)
 
@@ -254,8 +260,8 @@ def test_abort_before_any_step(tmp_path, store) -> None:
 def test_abort_during_an_async_load_frees_blocks_only_after_it_stops(tmp_path) -> None:
     slow = f"link+file://{tmp_path / 'store'}?gbps=0.02&rtt_ms=1"
     p = prompt(300)
-    stored(tmp_path, f"file://{tmp_path / 'store'}", p)
-    e = make(tmp_path, slow, load_mode="async", fetch_threads=1)
+    stored(tmp_path, f"file://{tmp_path / 'store'}", p, **SAME_OBJECTS)
+    e = make(tmp_path, slow, load_mode="async", fetch_threads=1, **SAME_OBJECTS)
     e.add("r", p[:290], max_tokens=2)
     e.step()  # lookup, allocation, load started
     assert loads_of(e, ["r"]) and e.scheduler.requests["r"].status.name == "WAITING_FOR_REMOTE_KVS"
@@ -382,7 +388,8 @@ def test_a_save_left_to_a_request_whose_save_failed_is_made_by_the_one_still_hol
             faults.up()
             state["phase"] = 2
 
-    e = make(tmp_path, f"faults+{url}", store_retry_s=0, hooks={"before_forward": outage_for_the_first_saves})
+    e = make(tmp_path, f"faults+{url}", store_retry_s=0, hooks={"before_forward": outage_for_the_first_saves},
+             **SAME_OBJECTS)
     shared = prompt(64, 11)
     e.add("first", shared + prompt(6, 12), max_tokens=1)
     e.add("second", shared + prompt(6, 13), max_tokens=12)
@@ -391,7 +398,7 @@ def test_a_save_left_to_a_request_whose_save_failed_is_made_by_the_one_still_hol
     assert state["phase"] == 2 and e.stats()["save_failures"] >= 2
     assert e.scheduler_stats()["saves_deduplicated"] >= 2
     e.assert_empty()
-    assert reload(make(tmp_path, url), shared + prompt(6, 14)) == 64
+    assert reload(make(tmp_path, url, **SAME_OBJECTS), shared + prompt(6, 14)) == 64
 
 
 # ---- saves past the memory cap --------------------------------------------------------------
@@ -406,7 +413,7 @@ def test_saves_dropped_for_room_are_planned_again_once_the_queue_drains(tmp_path
 
     url = f"file://{tmp_path / 'store'}"
     e = make(tmp_path, f"link+{url}?gbps=0.025", pipelined=pipelined, chunk_size=256, num_blocks=600,
-             max_batched=8192, save_threads=1, max_pending_save_bytes=8 * CHUNK_BYTES)
+             max_batched=8192, save_threads=1, max_pending_save_bytes=8 * CHUNK_BYTES, **SAME_OBJECTS)
     p = prompt(16 * 256 + 10)
     keys = [k for c in range(16) for k in object_keys(e, p, c)]
     e.add("r", p, max_tokens=3000)  # decodes on while the queue drains
@@ -416,7 +423,7 @@ def test_saves_dropped_for_room_are_planned_again_once_the_queue_drains(tmp_path
     e.run()
     assert e.stats()["saves_dropped"] >= 8
     e.assert_empty()
-    assert reload(make(tmp_path, url, chunk_size=256, num_blocks=600, max_batched=8192), p) == 16 * 256
+    assert reload(make(tmp_path, url, chunk_size=256, num_blocks=600, max_batched=8192, **SAME_OBJECTS), p) == 16 * 256
 
 
 def test_a_cap_below_one_chunk_is_refused_at_start_up(tmp_path, store) -> None:
