@@ -49,6 +49,7 @@ from vllm_kvcodec.lmcache_plugin.store_keys import (
     parse_store_key,
 )
 from vllm_kvcodec.lmcache_plugin.settings import PluginConfigError, PluginSettings
+from vllm_kvcodec.thread_pools import started_pool
 from vllm_kvcodec.torch_threads import one_torch_thread
 
 logger = init_logger(__name__)
@@ -128,9 +129,8 @@ class KVCodecRemoteConnector(RemoteConnector):
             self.store = open_store(self.settings.store)
         except ValueError as exc:  # StoreURLError and friends: a configuration mistake
             raise KVCodecPluginConfigError(f"remote_storage_plugin.{self.settings.plugin_name}.store: {exc}") from None
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.threads, thread_name_prefix="kvcodec-lmc",
-                                                           initializer=one_torch_thread)  # beside vLLM's OpenMP team
-        self._lookup_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvcodec-lmc-lookup")
+        self._pool = started_pool(self.settings.threads, "kvcodec-lmc", one_torch_thread)  # beside vLLM's OpenMP team
+        self._lookup_pool = started_pool(2, "kvcodec-lmc-lookup")
         self._closed = False
         logger.info(
             "kvcodec LMCache connector: store %s, codecs %s, %d threads, chunk shapes %s %s, format %s",

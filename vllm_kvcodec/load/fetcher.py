@@ -50,10 +50,12 @@ from vllm_kvcodec.format import ChunkHeader, decode_payload, read_header
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.load.direct_read import copy_into, is_raw, read_head, read_pages_into, tensor_bytes
 from vllm_kvcodec.load.load_job import LoadJob
+from vllm_kvcodec.malloc_tuning import warm_thread_heap
 from vllm_kvcodec.paged import PagedLayout
 from vllm_kvcodec.paged.base import block_runs, cache_bytes
 from vllm_kvcodec.paged.objects import CanonicalObjects, ObjectLayout, PageObjects, Target, object_layout_for
 from vllm_kvcodec.spans import Span
+from vllm_kvcodec.thread_pools import started_pool
 from vllm_kvcodec.torch_threads import one_torch_thread
 
 if TYPE_CHECKING:  # imports vLLM; the fetcher itself must not (the GPU check runs without it)
@@ -169,14 +171,13 @@ class Fetcher:
         self.groups, self.caches, self.layouts, self.stats = addresses.groups, caches, layouts, stats
         self.placement = placement if placement is not None else HostPlacement(caches, layouts, cache_groups)
         self.objects = self.placement.objects = object_layout_for(addresses.namespace.layout_id)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-fetch", initializer=one_torch_thread)
+        self._pool = started_pool(threads, "kvcodec-fetch", _warm_thread)
         self._decode_pool: ThreadPoolExecutor | None = None
         self._cache_bytes: dict[int, tuple[memoryview, tuple[object, ...]]] = {}  # per layer, for reads in place
         self.fetch_threads, self.cpu_threads = threads, threads  # who fetches, who decodes and scatters
         if decode_threads is not None and decode_threads < threads:
             self.cpu_threads = decode_threads
-            self._decode_pool = ThreadPoolExecutor(decode_threads, thread_name_prefix="kvcodec-decode",
-                                                   initializer=one_torch_thread)
+            self._decode_pool = started_pool(decode_threads, "kvcodec-decode", _warm_thread)
 
     def submit(self, specs: list[LoadSpec], timeout_s: float) -> LoadJob:
         chunks = [(spec, chunk) for spec in specs for chunk in spec.chunks]
@@ -407,3 +408,9 @@ class Fetcher:
         if self._decode_pool is not None:
             self._decode_pool.shutdown(wait=True)
         self.placement.shutdown()
+
+
+def _warm_thread() -> None:
+    """Pool initializer: one torch thread, and a batch's worth of this thread's heap faulted in before any load."""
+    one_torch_thread()
+    warm_thread_heap(BATCH_BYTES)

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -27,6 +27,7 @@ from vllm_kvcodec.format import encode_chunk
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.outcomes import SaveOutcome
 from vllm_kvcodec.stats import ConnectorStats
+from vllm_kvcodec.thread_pools import started_pool
 from vllm_kvcodec.torch_threads import one_torch_thread
 
 logger = logging.getLogger("vllm_kvcodec")
@@ -65,8 +66,7 @@ class Saver:
         self.chooser, self.stats, self.max_pending = chooser, stats, max_pending_bytes
         self.report = report
         self._dropping_for_outage = False
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-save", initializer=yield_to_engine,
-                                        initargs=(nice,))
+        self._pool = started_pool(threads, "kvcodec-save", yield_to_engine, (nice,))
         self.threads = threads
         self._lock = threading.Lock()
         self._pending = 0
