@@ -40,8 +40,8 @@ def warm_thread_heap(nbytes: int) -> None:
     first batch of fetched objects landed on fresh pages: a page fault per
     4 KiB inside the request. Measured on 2 cores (SmolLM2, 4096-token raw
     prefix behind an emulated 100 Gbit/s link), an engine's first load took
-    80-111 ms with its threads started at start-up, 52-60 ms with their heaps
-    also warmed; later loads 40-50 ms. The freed bytes stay with the thread
+    80-111 ms with its threads started at start-up, 40-62 ms with their heaps
+    also warmed (one 8 MiB batch each); later loads 36-50 ms. The freed bytes stay with the thread
     only under :func:`reuse_large_buffers`'s trim threshold.
     """
     bytearray(nbytes)  # allocated and zeroed (every page touched), then freed
