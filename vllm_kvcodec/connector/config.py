@@ -94,12 +94,16 @@ class ConnectorConfig(BaseModel):
         from vllm_kvcodec.paged.base import CANONICAL_NAMESPACE
         from vllm_kvcodec.paged.objects import page_namespace_id
 
-        kind = self.object_layout
-        if kind == "auto":
-            kind = "canonical" if self.share_across_platforms else "pages"
+        kind = self._object_kind()
         if kind == "pages" and self.share_across_platforms:
             raise ConfigError("object_layout 'pages' holds one platform's page bytes; with share_across_platforms use 'canonical' (or 'auto')")
         return CANONICAL_NAMESPACE if kind == "canonical" else page_namespace_id(block_size)
+
+    def _object_kind(self) -> str:
+        """``object_layout`` with ``auto`` resolved: pages, or canonical with share_across_platforms."""
+        if self.object_layout == "auto":
+            return "canonical" if self.share_across_platforms else "pages"
+        return self.object_layout
 
     def object_layers(self, num_layers: int, *, on_cpu: bool = False) -> int:
         """Layers per stored object; ``on_cpu``: the engine computes on the CPU (see ``layers_per_object``)."""
@@ -122,9 +126,8 @@ class ConnectorConfig(BaseModel):
         """
         from storage import reads_in_memory
 
-        pages = self.object_layout == "pages" or (self.object_layout == "auto" and not self.share_across_platforms)
         waits_whole = self.load_wait == "whole" or (self.load_wait == "auto" and reads_in_memory(self.store))
-        return on_cpu and pages and waits_whole
+        return on_cpu and self._object_kind() == "pages" and waits_whole
 
 
 def _explain(exc: ValidationError) -> str:

@@ -298,7 +298,7 @@ class Fetcher:
             head, header = read_head(value, key)
             layers = self.groups[group]
             self._check(header, len(layers), chunk.object_tokens or self.addresses.namespace.chunk_size)
-            buffers = self._whole_page_buffers(layers, chunk.spans, header) if is_raw(header) else None
+            buffers = self._page_buffers(layers, chunk.spans, header) if is_raw(header) else None
             if buffers is None:  # compressed, or not landing whole: read it all, then decode and scatter
                 blob = value.read(0, value.size)
                 t1 = time.perf_counter()
@@ -312,7 +312,10 @@ class Fetcher:
         return Read(value.size, t1 - t0 - check_s, t1 - check_s)
 
     def _page_buffers(self, layers: list[int], spans: list[Span], header: ChunkHeader) -> list[memoryview] | None:
-        """Where a page object's bytes go, in payload order; None unless it lands whole in one group's blocks."""
+        """Where a page object's bytes go in host caches, in payload order; None unless it lands whole in one
+        group's blocks (then the placement writes it)."""
+        if not self._host_pages():
+            return None
         groups = {self.placement.cache_groups[layer] for layer in layers}
         span = spans[groups.pop()] if len(groups) == 1 else None
         if span is None or not span.slots:
@@ -362,7 +365,7 @@ class Fetcher:
         header = read_header(blob, key=key)  # sizes, checksum and key binding: a swapped object is rejected
         layers = self.groups[group]
         self._check(header, len(layers), chunk.object_tokens or self.addresses.namespace.chunk_size)
-        if (buffers := self._whole_page_buffers(layers, chunk.spans, header)) is not None:
+        if (buffers := self._page_buffers(layers, chunk.spans, header)) is not None:
             # A page object landing whole: its (decoded) payload is the pages, in order; copy it where they go.
             if is_raw(header):
                 pages = memoryview(blob)[header.payload_offset : header.payload_offset + header.payload_length]
@@ -379,10 +382,6 @@ class Fetcher:
         t3 = time.perf_counter()
         job.account(cpu_s=t3 - t1)
         self._loaded(group, chunk, header, len(blob), decode_s=t2 - t1, scatter_s=t3 - t2, on_device=on_device)
-
-    def _whole_page_buffers(self, layers: list[int], spans: list[Span], header: ChunkHeader) -> list[memoryview] | None:
-        """Where a page object's pages go in host caches, when it lands whole (see :meth:`_page_buffers`)."""
-        return self._page_buffers(layers, spans, header) if self._host_pages() else None
 
     def _loaded(self, group: int, chunk: ChunkLoad, header: ChunkHeader, nbytes: int, *, decode_s: float,
                 scatter_s: float, on_device: bool) -> None:

@@ -125,10 +125,10 @@ def build(kv: torch.Tensor, *, chunk_size: int, layers_per_object: int, block_si
     layers, _, tokens, heads, head = kv.shape
     if tokens % chunk_size or chunk_size % block_size:
         raise ValueError("tokens must be whole chunks and chunks whole blocks")
-    groups = tuple(range(s, min(s + layers_per_object, layers)) for s in range(0, layers, layers_per_object))
     ns = Namespace(model_id="load-check", dtype=str(kv.dtype).removeprefix("torch."), num_layers=layers,
                    num_kv_heads=heads, head_dim=head, layout_id="canonical-v1", tp_size=1,
                    chunk_size=chunk_size, layers_per_object=layers_per_object)
+    groups = tuple(ns.layer_groups())
     addresses = ObjectAddresses(ns, 0, groups)
     store = open_store(f"memory://load-check-{seed}-{time.monotonic_ns()}")
     num_chunks = tokens // chunk_size
