@@ -44,6 +44,27 @@ def test_reads_that_cost_cpu_add_to_the_decode(real_chunks) -> None:
     assert chooser.codec_for(sample).codec_id == "raw"
 
 
+def test_decoding_beside_a_cpu_prefill_costs_its_thread_seconds(real_chunks) -> None:
+    """Two decoders on a CPU engine whose prefill takes every core: each decoded byte's thread-time comes off the
+    prefill whichever thread decodes it, so the decoder count no longer divides it."""
+    chooser = CodecChooser("auto", decoders=2)
+    sample = real_chunks[0][:5]
+    chooser.codec_for(sample)  # calibrates
+    p = chooser.profile
+    p["raw"] = {"ratio": 1.0, "decode_Bps": 8e9}  # pinned figures: the decision, not this machine's timing
+    p["zstd"] = {"ratio": 1.5, "decode_Bps": 3e9}
+    for other in set(p) - {"raw", "zstd"}:
+        p[other] = {"ratio": 1.1, "decode_Bps": 1e8}
+    feed(chooser, 16.0)  # 2 GB/s: raw reads in 0.5 s/GB; zstd in 0.33 s/GB, decodes in 0.33 s/GB on one thread
+    assert chooser.codec_for(sample).codec_id == "zstd"  # overlapped: 0.5 against max(0.33, 0.17)
+    chooser.reads_cost_cpu = True
+    assert chooser.codec_for(sample).codec_id == "zstd"  # added, two decoders: 0.56 against 0.5
+    chooser.decode_takes_prefill_cores = True
+    assert chooser.codec_for(sample).codec_id == "raw"  # thread-seconds: 0.625 against 0.67
+    feed(chooser, 1.0)  # a slow link: the wire dominates again
+    assert chooser.codec_for(sample).codec_id == "zstd"
+
+
 def test_fixed_codec_is_never_replaced(real_chunks) -> None:
     chooser = CodecChooser({"id": "zstd", "level": 3})
     feed(chooser, 10_000)

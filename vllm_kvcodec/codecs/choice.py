@@ -7,6 +7,13 @@ Where the store's reads are memory copies on this host (a local file store:
 ``reads_cost_cpu``), reading and decoding take the same cores, so the two
 add up instead: on 2 cores a 4096-token prefix replayed from the local disk
 took 1.8x the local hit raw against 2.4-2.5x with zstd, splitzip or rans.
+Where a CPU engine's threads take every core and loads may run beside its
+prefill (``decode_takes_prefill_cores``), every thread-second of decoding is
+taken from the prefill's OpenMP team, however many threads share it, while
+the wire time can hide under the prefill: the decode's thread-seconds add to
+the read. At 10 Gbit/s on 2 cores (4096-token prefix, load_wait auto) raw
+took 142 ms and zstd 164-173 ms, which the overlapped model had ranked the
+other way round.
 On a fast link raw wins (nothing to decode), on a slow one the densest codec
 does. Each candidate's ratio and steady-state decode speed (after one untimed
 warm-up decode, best of three) are measured once on this machine on the first
@@ -43,6 +50,7 @@ class CodecChooser:
         self.behind = behind  # faster to encode, for chunks saved while a round of saves waits behind them
         self.decoders = max(1, decoders)  # threads that decode in parallel (at most the cores)
         self.reads_cost_cpu = False  # the store's reads are memory copies on this host: read and decode times add
+        self.decode_takes_prefill_cores = False  # decoding runs on the cores of a CPU engine's prefill
         self.fixed: Codec | None = None if self.auto else get_codec(spec)
         self.candidates = [get_codec(c) for c in candidates]
         self.profile: dict[str, dict[str, float]] = {}
@@ -108,7 +116,10 @@ class CodecChooser:
 
     def _expected_seconds_per_byte(self, codec: Codec) -> float:
         p = self.profile[codec.codec_id]
-        read, decode = 1.0 / (p["ratio"] * self.bandwidth_bytes_per_s), 1.0 / (p["decode_Bps"] * self.decoders)
+        read = 1.0 / (p["ratio"] * self.bandwidth_bytes_per_s)
+        if self.decode_takes_prefill_cores:  # thread-seconds, whatever the decoder count
+            return read + 1.0 / p["decode_Bps"]
+        decode = 1.0 / (p["decode_Bps"] * self.decoders)
         return read + decode if self.reads_cost_cpu else max(read, decode)
 
     def _log_choice(self, codec: Codec) -> None:

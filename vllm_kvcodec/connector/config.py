@@ -21,6 +21,12 @@ def default_store_url() -> str:
     return f"file://{cache_dir('store')}"
 
 
+#: Layer groups a chunk's objects stream in, where loads may overlap the prefill layer by layer. On a CPU engine
+#: each object's reads, checks and hand-offs take cores from the prefill, so fewer, larger ones (layers_per_object).
+LAYER_GROUPS = 6
+CPU_LAYER_GROUPS = 3
+
+
 class ConnectorConfig(BaseModel):
     """``kv_connector_extra_config`` of KVCodecConnector."""
 
@@ -30,7 +36,7 @@ class ConnectorConfig(BaseModel):
     codec: str | dict[str, Any] | None = Field(None, description="Codec id or config dict (raw, zstd, splitzip, rans, video), 'auto' to pick by measured link and codec speed, or null for the densest codec the model's dtype allows (rans; zstd for float16).")
     chunk_size: int = Field(256, gt=0, description="Tokens per stored chunk; a multiple of vLLM's block_size.")
     prompt_tails: bool = Field(False, description="Also store each prompt's tail past its last full chunk (whole blocks, up to the block holding its last token: what vLLM can take from a cache), and load it when a prompt repeats or extends it, so a replayed prompt or the next turn of a chat recomputes one block instead of up to chunk_size tokens. Costs one more object per request (up to chunk_size tokens of encode), used only by a prompt that repeats this one's tokens; off, like LMCache's save_unfull_chunk.")
-    layers_per_object: int = Field(0, ge=0, description="Layers per stored object, so loads stream layer group by layer group. 0: every layer in one object where loads wait whole anyway (page objects into a CPU engine, with load_wait 'whole', or 'auto' and a store on this host: a file or memory store): each object costs its own reads, checks and hand-offs, and a raw 4096-token load took 25 ms in 16 objects against 44 ms in 96 from the local disk, 54 against 87 ms behind an emulated 100 Gbit/s link (2 cores); elsewhere about 6 groups. Part of the keys: engines share chunks only with the same value.")
+    layers_per_object: int = Field(0, ge=0, description="Layers per stored object, so loads stream layer group by layer group. 0: every layer in one object where loads wait whole anyway (page objects into a CPU engine, with load_wait 'whole', or 'auto' and a store on this host: a file or memory store): each object costs its own reads, checks and hand-offs, and a raw 4096-token load took 25 ms in 16 objects against 44 ms in 96 from the local disk, 54 against 87 ms behind an emulated 100 Gbit/s link (2 cores); other page objects into a CPU engine about 3 groups (a 4096-token load behind a 10 Gbit/s link: raw 140 ms in 3 groups against 150 in 6, zstd 149 against 186; 1 Gbit/s: 10-15 ms slower, the last group's prefill no longer hidden), elsewhere (GPU engines, canonical objects shared across platforms) about 6. Part of the keys: engines share chunks only with the same value.")
     load_mode: Literal["sync", "async"] = Field("sync", description="sync: prefill of the suffix waits per layer; async: the request waits aside (WAITING_FOR_REMOTE_KVS) until its prefix is loaded.")
     load_wait: Literal["auto", "layers", "whole"] = Field("auto", description="How the prefill of a step with sync loads waits for them. layers: each layer waits for its own layer group, so the load overlaps the prefill; whole: the first layer waits for the whole load, which then has every core (on a CPU engine whose threads take every core, the decode threads are as many as the cores). auto: whole on a CPU engine whose threads leave no core idle, where the store's reads are memory copies on this host (a local file store) or while recent loads spent longer decoding and copying than fetching (per thread; before the first load: while the codec this instance saves with is not raw); else layers. Measured on 2 cores: rans at 100 Gbit/s 2.8 -> 2.2 x the local hit; at 1 Gbit/s waiting would cost 620 ms against 548; a raw replay from the local disk 1.75 -> 1.52 (see docs/benchmarks.md).")
     fetch_threads: int | None = Field(None, ge=1, le=64, description="Threads that fetch stored objects (store round trips in flight at once). Unset: as many as decode_threads for a store whose reads are memory copies on this host (file, memory), else 4 (and at least decode_threads).")
@@ -109,7 +115,11 @@ class ConnectorConfig(BaseModel):
         """Layers per stored object; ``on_cpu``: the engine computes on the CPU (see ``layers_per_object``)."""
         if self.layers_per_object:
             return min(self.layers_per_object, num_layers)
-        return num_layers if self.loads_whole_chunks(on_cpu) else max(1, -(-num_layers // 6))
+        if self.loads_whole_chunks(on_cpu):
+            return num_layers
+        # Canonical objects are shared across platforms: every engine must group them alike.
+        groups = CPU_LAYER_GROUPS if on_cpu and self._object_kind() == "pages" else LAYER_GROUPS
+        return max(1, -(-num_layers // groups))
 
     def loads_whole_chunks(self, on_cpu: bool) -> bool:
         """Loads wait for every layer of a chunk before the prefill starts, so layer groups would only cost.

@@ -114,6 +114,8 @@ class WorkerHalf:
                                reads_in_memory=self.store.reads_in_memory, whole_loads=self._whole_loads)
         self.chooser.decoders = threads.decode
         self.chooser.reads_cost_cpu = self.store.reads_in_memory
+        self.chooser.decode_takes_prefill_cores = (not caches[0].is_cuda and idle_cores() == 0
+                                                   and self.config.load_wait != "whole" and not self.store.reads_in_memory)
         self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered, threads.fetch,
                                               self.stats, self.chooser.observe_read,
                                               cache_groups=self.layer_cache_groups, decode_threads=threads.decode)
