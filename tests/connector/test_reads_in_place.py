@@ -115,10 +115,11 @@ def test_through_the_outage_guard_as_the_connector_opens_it(tmp_path: Path) -> N
     _check_loaded(s, caches)
 
 
-@pytest.mark.parametrize("codec", ["zstd", "splitzip"])
-def test_compressed_objects_take_the_usual_path(tmp_path: Path, codec: str) -> None:
+@pytest.mark.parametrize("layout_cls", [CpuAttnVecLayout, CpuAttnAmxLayout])
+@pytest.mark.parametrize("codec", ["zstd", "splitzip", "rans"])
+def test_compressed_objects_take_the_usual_path(tmp_path: Path, codec: str, layout_cls) -> None:
     """Read whole, decoded, then copied into their pages (no read in place)."""
-    s = Setup(tmp_path, CpuAttnVecLayout, codec)
+    s = Setup(tmp_path, layout_cls, codec)
     caches, stats, failed = s.load(s.store, DEST)
     assert not failed and stats.totals()["scatter_s"] > 0 and "objects_read_in_place" not in stats.totals()
     _check_loaded(s, caches)
