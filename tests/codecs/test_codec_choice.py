@@ -28,16 +28,22 @@ def test_auto_follows_the_link(real_chunks) -> None:
     assert abs(chooser.bandwidth_bytes_per_s * 8 / 1e9 - 10_000) / 10_000 < 0.01
 
 
+def pin_raw_and_zstd(chooser: CodecChooser, sample) -> None:
+    """Calibrate, then pin the figures (the decision under test, not this machine's timing): raw 8 GB/s; zstd
+    1.5x at 3 GB/s; every other candidate out of the running."""
+    chooser.codec_for(sample)
+    p = chooser.profile
+    p["raw"] = {"ratio": 1.0, "decode_Bps": 8e9}
+    p["zstd"] = {"ratio": 1.5, "decode_Bps": 3e9}
+    for other in set(p) - {"raw", "zstd"}:
+        p[other] = {"ratio": 1.1, "decode_Bps": 1e8}
+
+
 def test_reads_that_cost_cpu_add_to_the_decode(real_chunks) -> None:
     """A link where overlapping the stages favours a codec, and adding them (a local file store) favours raw."""
     chooser = CodecChooser("auto")
     sample = real_chunks[0][:5]
-    chooser.codec_for(sample)  # calibrates
-    p = chooser.profile
-    p["raw"] = {"ratio": 1.0, "decode_Bps": 8e9}  # pinned figures: the decision, not this machine's timing
-    p["zstd"] = {"ratio": 1.5, "decode_Bps": 3e9}
-    for other in set(p) - {"raw", "zstd"}:
-        p[other] = {"ratio": 1.1, "decode_Bps": 1e8}
+    pin_raw_and_zstd(chooser, sample)
     feed(chooser, 16.0)  # 2 GB/s: raw reads in 0.5 s/GB; zstd in 0.33 s/GB, decodes in 0.33 s/GB
     assert chooser.codec_for(sample).codec_id == "zstd"
     chooser.reads_cost_cpu = True  # 0.5 + 0.125 s/GB against 0.33 + 0.33
@@ -49,12 +55,7 @@ def test_decoding_beside_a_cpu_prefill_costs_its_thread_seconds(real_chunks) -> 
     prefill whichever thread decodes it, so the decoder count no longer divides it."""
     chooser = CodecChooser("auto", decoders=2)
     sample = real_chunks[0][:5]
-    chooser.codec_for(sample)  # calibrates
-    p = chooser.profile
-    p["raw"] = {"ratio": 1.0, "decode_Bps": 8e9}  # pinned figures: the decision, not this machine's timing
-    p["zstd"] = {"ratio": 1.5, "decode_Bps": 3e9}
-    for other in set(p) - {"raw", "zstd"}:
-        p[other] = {"ratio": 1.1, "decode_Bps": 1e8}
+    pin_raw_and_zstd(chooser, sample)
     feed(chooser, 16.0)  # 2 GB/s: raw reads in 0.5 s/GB; zstd in 0.33 s/GB, decodes in 0.33 s/GB on one thread
     assert chooser.codec_for(sample).codec_id == "zstd"  # overlapped: 0.5 against max(0.33, 0.17)
     chooser.reads_cost_cpu = True

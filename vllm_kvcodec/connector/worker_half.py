@@ -108,14 +108,14 @@ class WorkerHalf:
         self._check_save_room()
         self.layer_cache_groups = [self.cache_groups.of_layer(n) for n in names]
         addresses = ObjectAddresses(self.namespace, self.tp_rank, tuple(self.groups))
-        self._whole_loads = self.config.load_wait == "whole" or (
-            self.config.load_wait == "auto" and not caches[0].is_cuda and idle_cores() == 0)
+        cores_all_busy = not caches[0].is_cuda and idle_cores() == 0  # a CPU engine's threads take every core
+        self._whole_loads = self.config.load_wait == "whole" or (self.config.load_wait == "auto" and cores_all_busy)
         threads = load_threads(self.config.fetch_threads, self.config.decode_threads, on_device=caches[0].is_cuda,
                                reads_in_memory=self.store.reads_in_memory, whole_loads=self._whole_loads)
         self.chooser.decoders = threads.decode
         self.chooser.reads_cost_cpu = self.store.reads_in_memory
-        self.chooser.decode_takes_prefill_cores = (not caches[0].is_cuda and idle_cores() == 0
-                                                   and self.config.load_wait != "whole" and not self.store.reads_in_memory)
+        self.chooser.decode_takes_prefill_cores = (cores_all_busy and self.config.load_wait != "whole"
+                                                   and not self.store.reads_in_memory)
         self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered, threads.fetch,
                                               self.stats, self.chooser.observe_read,
                                               cache_groups=self.layer_cache_groups, decode_threads=threads.decode)
