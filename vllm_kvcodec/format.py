@@ -17,7 +17,8 @@ import dataclasses
 import json
 import math
 import struct
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,6 +28,9 @@ from vllm_kvcodec.codecs import get_codec, policy
 from vllm_kvcodec.codecs.base import Codec
 from vllm_kvcodec.dtypes import DType, bits_to_tensor, tensor_to_bits
 from vllm_kvcodec.errors import ChunkFormatError, ConfigError, KVCodecError
+
+if TYPE_CHECKING:
+    from vllm_kvcodec.codecs.into_pages import PageExtents
 
 MAGIC = b"KVCZ"
 VERSION = 1
@@ -227,6 +231,17 @@ def decode_payload(blob: bytes | bytearray | memoryview, header: ChunkHeader, *,
     if bits.shape != header.shape or bits.dtype != header.dtype.bits_dtype:
         raise ChunkFormatError(f"codec {header.codec_id!r} produced {bits.shape}/{bits.dtype}, not {header.shape}")
     return bits_to_tensor(bits, header.dtype)
+
+
+def decode_payload_into(blob: bytes | bytearray | memoryview, header: ChunkHeader, extents: PageExtents) -> bool:
+    """:func:`decode_payload` straight into ``extents`` (the object's pages, in order), where its codec can.
+
+    False, having written nothing, where it cannot: decode and copy instead.
+    """
+    if sys.byteorder != "little":  # the kernels write the values' bytes as this host orders them
+        return False
+    payload = memoryview(blob).cast("B")[header.payload_offset : header.payload_offset + header.payload_length]
+    return _codec_for(header).decode_into(payload, header.dtype, header.shape, extents)
 
 
 def _codec_for(header: ChunkHeader) -> Codec:

@@ -27,11 +27,14 @@ import numba.core.registry
 from vllm_kvcodec.codecs import get_codec
 from vllm_kvcodec.codecs.warmup import warm_up
 from vllm_kvcodec.dtypes import DType
-from vllm_kvcodec.format import decode_chunk, encode_chunk
-import vllm_kvcodec.codecs.rans, vllm_kvcodec.codecs.rans_kernels, vllm_kvcodec.codecs.splitzip_kernels
+from vllm_kvcodec.codecs.into_pages import PageExtents
+from vllm_kvcodec.format import decode_chunk, decode_payload_into, encode_chunk, read_header
+import vllm_kvcodec.codecs.into_pages, vllm_kvcodec.codecs.rans, vllm_kvcodec.codecs.rans_kernels
+import vllm_kvcodec.codecs.splitzip_kernels
 
 def dispatchers():
-    mods = [vllm_kvcodec.codecs.rans, vllm_kvcodec.codecs.rans_kernels, vllm_kvcodec.codecs.splitzip_kernels]
+    mods = [vllm_kvcodec.codecs.into_pages, vllm_kvcodec.codecs.rans, vllm_kvcodec.codecs.rans_kernels,
+            vllm_kvcodec.codecs.splitzip_kernels]
     return {f"{m.__name__}.{n}": f for m in mods for n, f in vars(m).items()
             if isinstance(f, numba.core.registry.CPUDispatcher)}
 
@@ -46,8 +49,13 @@ for kv, codecs in ((canonical, ["rans", "splitzip", "zstd", "raw"]),
     for c in codecs:
         if not get_codec(c).supports(DType.from_torch(dtype)):
             continue
-        out = decode_chunk(encode_chunk(kv, get_codec(c)))
+        blob = encode_chunk(kv, get_codec(c))
+        out = decode_chunk(blob)
         assert torch.equal(out.view(torch.uint8), kv.view(torch.uint8)), c
+        if kv is pages:  # a page object landing whole decodes straight into its pages
+            into = memoryview(bytearray(kv.numel() * kv.element_size()))
+            cut = len(into) // 3 // 4 * 4
+            decode_payload_into(blob, read_header(blob), PageExtents([into[:cut], into[cut:]]))
 after = {n: len(f.signatures) for n, f in dispatchers().items()}
 print(json.dumps({"before": before, "after": after}))
 """

@@ -10,12 +10,15 @@ many elements it may produce before it allocates anything.
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ConfigError, UnsupportedDTypeError
+
+if TYPE_CHECKING:
+    from vllm_kvcodec.codecs.into_pages import PageExtents
 
 
 class Codec(abc.ABC):
@@ -46,6 +49,16 @@ class Codec(abc.ABC):
         Callers read the result and never write it.
         """
         return self.decode(payload, dtype, shape)
+
+    def decode_into(self, payload: memoryview, dtype: DType, shape: tuple[int, ...], extents: PageExtents) -> bool:
+        """Decode ``payload`` straight into ``extents`` (an object's pages in host memory, in order), if this codec can.
+
+        False, having written nothing, where it cannot (this dtype, these
+        extents): the caller then decodes and copies. A payload that does not
+        decode raises :class:`~vllm_kvcodec.errors.CodecError`; a codec
+        validates every size before its first write (see :mod:`.into_pages`).
+        """
+        return False
 
     def get_config(self) -> dict[str, Any]:
         """The parameters that rebuild this codec (stored in every chunk header)."""

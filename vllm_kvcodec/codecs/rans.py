@@ -37,6 +37,7 @@ import numpy as np
 
 from vllm_kvcodec.codecs import rans_kernels as rk
 from vllm_kvcodec.codecs.base import Codec
+from vllm_kvcodec.codecs.into_pages import PageExtents, merge_into
 from vllm_kvcodec.codecs.planes import merge, split
 from vllm_kvcodec.codecs.registry import register_codec
 from vllm_kvcodec.codecs.validate import Reader, expect_at_most
@@ -76,6 +77,18 @@ class RansCodec(Codec):
         )
 
     def decode(self, payload: memoryview, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
+        exps, signman = self._planes(payload, dtype, shape)
+        return merge(exps, signman, dtype).reshape(shape)
+
+    def decode_into(self, payload: memoryview, dtype: DType, shape: tuple[int, ...], extents: PageExtents) -> bool:
+        n = int(np.prod(shape, dtype=np.int64))
+        if dtype is not DType.BFLOAT16 or not extents.holds(2 * n, 2):
+            return False
+        exps, signman = self._planes(payload, dtype, shape)
+        return merge_into(exps, signman, dtype, extents)
+
+    def _planes(self, payload: memoryview, dtype: DType, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """The exponents (decoded, flat) and the sign-mantissa bytes, every size checked first."""
         outer, tokens, inner = channel_view(shape, self.token_axis)
         n = outer * tokens * inner
         reader = Reader(payload, "rans payload")
@@ -90,7 +103,7 @@ class RansCodec(Codec):
         if not rk.decode(words, freqs, symbols):
             raise CodecError("rans stream is inconsistent (truncated, padded or corrupted)")
         exps = shift_channels(symbols.reshape(outer, tokens, inner), medians.reshape(outer, inner), 1)
-        return merge(exps.reshape(-1), signman, dtype).reshape(shape)
+        return exps.reshape(-1), signman
 
 
 def channel_view(shape: tuple[int, ...], token_axis: int | None = None) -> tuple[int, int, int]:

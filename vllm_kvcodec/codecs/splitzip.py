@@ -29,6 +29,7 @@ import numpy as np
 
 from vllm_kvcodec.codecs import splitzip_kernels as k
 from vllm_kvcodec.codecs.base import Codec
+from vllm_kvcodec.codecs.into_pages import PageExtents
 from vllm_kvcodec.codecs.registry import register_codec
 from vllm_kvcodec.codecs.validate import Reader, expect_at_most
 from vllm_kvcodec.dtypes import DType
@@ -50,6 +51,10 @@ class SplitZipCodec(Codec):
     def decode(self, payload: memoryview, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
         n = int(np.prod(shape, dtype=np.int64))
         return decode_streams(Reader(payload, "splitzip payload"), n, dtype).reshape(shape)
+
+    def decode_into(self, payload: memoryview, dtype: DType, shape: tuple[int, ...], extents: PageExtents) -> bool:
+        n = int(np.prod(shape, dtype=np.int64))
+        return decode_streams_into(Reader(payload, "splitzip payload"), n, dtype, extents)
 
 
 def choose_codebook(hist: np.ndarray) -> np.ndarray:
@@ -117,15 +122,7 @@ def _encode_f32(values: np.ndarray) -> list:
 
 def decode_streams(reader: Reader, n: int, dtype: DType) -> np.ndarray:
     """Validate every stream's size against ``n`` before allocating the output."""
-    rest_bytes = 1 if dtype is DType.BFLOAT16 else 3
-    codebook = np.frombuffer(reader.take(CODEBOOK_SIZE, "codebook"), dtype=np.uint8)
-    m = reader.u32("escape count")
-    expect_at_most("splitzip escape count", m, n)
-    codes = np.frombuffer(reader.take((n + 1) // 2, "codes"), dtype=np.uint8)
-    signman = np.frombuffer(reader.take(n * rest_bytes, "sign-mantissa"), dtype=np.uint8)
-    positions = np.frombuffer(reader.take(4 * m, "escape positions"), dtype="<u4")
-    exponents = np.frombuffer(reader.take(m, "escape exponents"), dtype=np.uint8)
-    reader.finish()
+    codebook, codes, signman, positions, exponents = _streams(reader, n, dtype)
     if dtype is DType.BFLOAT16:
         out = _decode_bf16(codebook, codes, signman, n)
         ok = k.patch_escapes_bf16(out, positions, exponents)
@@ -137,10 +134,40 @@ def decode_streams(reader: Reader, n: int, dtype: DType) -> np.ndarray:
     return out
 
 
-def _decode_bf16(codebook: np.ndarray, codes: np.ndarray, signman: np.ndarray, n: int) -> np.ndarray:
+def decode_streams_into(reader: Reader, n: int, dtype: DType, extents: PageExtents) -> bool:
+    """:func:`decode_streams` straight into page extents (bfloat16, whole pairs); False, writing nothing, elsewhere."""
+    if dtype is not DType.BFLOAT16 or n & 1 or not extents.holds(2 * n, 4):
+        return False
+    codebook, codes, signman, positions, exponents = _streams(reader, n, dtype)
+    if not k.decode_pairs_bf16_into(codes, signman.view("<u2"), _pair_lut(codebook), positions, exponents,
+                                    extents.addresses, extents.nbytes):
+        raise CodecError("splitzip escape positions are out of range or not strictly increasing")
+    return True
+
+
+def _streams(reader: Reader, n: int, dtype: DType) -> tuple[np.ndarray, ...]:
+    """codebook, codes, signman, positions, exponents: every size checked against ``n``, nothing allocated."""
+    rest_bytes = 1 if dtype is DType.BFLOAT16 else 3
+    codebook = np.frombuffer(reader.take(CODEBOOK_SIZE, "codebook"), dtype=np.uint8)
+    m = reader.u32("escape count")
+    expect_at_most("splitzip escape count", m, n)
+    codes = np.frombuffer(reader.take((n + 1) // 2, "codes"), dtype=np.uint8)
+    signman = np.frombuffer(reader.take(n * rest_bytes, "sign-mantissa"), dtype=np.uint8)
+    positions = np.frombuffer(reader.take(4 * m, "escape positions"), dtype="<u4")
+    exponents = np.frombuffer(reader.take(m, "escape exponents"), dtype=np.uint8)
+    reader.finish()
+    return codebook, codes, signman, positions, exponents
+
+
+def _pair_lut(codebook: np.ndarray) -> np.ndarray:
+    """Code byte -> both exponents of a bf16 pair in place in its 32-bit word."""
     cb = codebook.astype(np.uint32)
     byte = np.arange(256, dtype=np.uint32)
-    pair_lut = (cb[byte >> 4] << 7) | (cb[byte & 15] << 23)
+    return (cb[byte >> 4] << 7) | (cb[byte & 15] << 23)
+
+
+def _decode_bf16(codebook: np.ndarray, codes: np.ndarray, signman: np.ndarray, n: int) -> np.ndarray:
+    pair_lut = _pair_lut(codebook)
     n_pairs = codes.shape[0]
     if n & 1:
         signman = np.append(signman, np.uint8(0))

@@ -13,6 +13,8 @@ import vllm_kvcodec.numba_compat  # noqa: F401  (before numba; see its docstring
 import numba
 import numpy as np
 
+from vllm_kvcodec.codecs.into_pages import pointer_to
+
 BLOCK_PAIRS = 512  # pairs scanned per escape flag; one flag per 1024 values
 
 
@@ -138,3 +140,47 @@ def exponent_histogram_bf16(words: np.ndarray, tail: np.ndarray) -> np.ndarray:
     for i in range(tail.shape[0]):
         sub[0, (tail[i] >> 7) & 0xFF] += 1
     return sub.sum(axis=0)
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def decode_pairs_bf16_into(
+    codes: np.ndarray,  # uint8[n_pairs]
+    signman: np.ndarray,  # uint16[n_pairs]: the pair's two sign-mantissa bytes, first in the low byte
+    pair_lut: np.ndarray,
+    positions: np.ndarray,  # uint32[m]
+    exponents: np.ndarray,  # uint8[m]
+    addresses: np.ndarray,  # int64[e]: page extents (into_pages.PageExtents), 4-byte multiples summing to 4 n_pairs
+    nbytes: np.ndarray,
+) -> bool:
+    """decode_pairs_bf16 and patch_escapes_bf16 straight into page extents; False, writing nothing, on bad escapes."""
+    n = 2 * codes.shape[0]
+    last = -1
+    for k in range(positions.shape[0]):  # all checked before the first write into the pages
+        p = np.int64(positions[k])
+        if p <= last or p >= n:
+            return False
+        last = p
+    words = np.empty(0, dtype=np.uint32)
+    pair = 0
+    for e in range(addresses.shape[0]):
+        out = numba.carray(pointer_to(addresses[e], words), nbytes[e] // 4)
+        w = out.shape[0]
+        _decode_pairs(codes[pair : pair + w], signman[pair : pair + w], pair_lut, out)
+        pair += w
+    halves = np.empty(0, dtype=np.uint16)
+    e, first = 0, 0  # the extent holding the escape, and its first value's index in the object
+    for k in range(positions.shape[0]):
+        p = np.int64(positions[k])
+        while p >= first + nbytes[e] // 2:
+            first += nbytes[e] // 2
+            e += 1
+        out16 = numba.carray(pointer_to(addresses[e], halves), nbytes[e] // 2)
+        out16[p - first] = (out16[p - first] & np.uint16(0x807F)) | (np.uint16(exponents[k]) << 7)
+    return True
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _decode_pairs(codes: np.ndarray, signman: np.ndarray, pair_lut: np.ndarray, out: np.ndarray) -> None:
+    for j in range(out.shape[0]):
+        t = np.uint32(signman[j])
+        out[j] = pair_lut[codes[j]] | ((t & 0x80) << 8) | (t & 0x7F) | ((t & 0x8000) << 16) | ((t & 0x7F00) << 8)

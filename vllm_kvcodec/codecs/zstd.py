@@ -14,6 +14,7 @@ import numpy as np
 import zstandard
 
 from vllm_kvcodec.codecs.base import Codec
+from vllm_kvcodec.codecs.into_pages import PageExtents, merge_into
 from vllm_kvcodec.codecs.planes import merge_planes, split_planes
 from vllm_kvcodec.codecs.registry import register_codec
 from vllm_kvcodec.codecs.validate import expect_size
@@ -39,7 +40,18 @@ class ZstdCodec(Codec):
 
     def decode(self, payload: memoryview, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
         n = int(np.prod(shape, dtype=np.int64))
-        expected = n * dtype.itemsize
+        return merge_planes(self._planes(payload, n * dtype.itemsize), dtype, n).reshape(shape)
+
+    def decode_into(self, payload: memoryview, dtype: DType, shape: tuple[int, ...], extents: PageExtents) -> bool:
+        n = int(np.prod(shape, dtype=np.int64))
+        if dtype.itemsize != 2 or not extents.holds(2 * n, 2):
+            return False
+        planes = np.frombuffer(self._planes(payload, 2 * n), dtype=np.uint8).reshape(2, n)
+        return merge_into(planes[0], planes[1], dtype, extents)
+
+    @staticmethod
+    def _planes(payload: memoryview, expected: int) -> bytes:
+        """The decompressed byte planes, exactly ``expected`` bytes of them."""
         try:
             params = zstandard.get_frame_parameters(payload)
         except zstandard.ZstdError as exc:
@@ -50,4 +62,4 @@ class ZstdCodec(Codec):
         except zstandard.ZstdError as exc:
             raise CodecError(f"zstd payload: {exc}") from None
         expect_size("zstd decompressed planes", len(buf), expected)
-        return merge_planes(buf, dtype, n).reshape(shape)
+        return buf

@@ -59,6 +59,8 @@ COUNTERS: tuple[CounterSpec, ...] = (
     _plain("loaded_objects", "Stored objects (chunk x layer group) loaded.", "loaded_objects"),
     _plain("objects_read_in_place", "Loaded objects read from a local file straight into their KV pages (raw page objects).",
            "objects_read_in_place"),
+    _plain("objects_decoded_into_pages", "Loaded objects decoded straight into their KV pages (compressed page objects "
+           "landing whole in host memory).", "objects_decoded_into_pages"),
     _plain("saved_chunks", "Chunks saved to the store.", "saved_chunks"),
     _plain("saves_behind", "Chunks saved while a full round of saves waited behind them (with save_codec_when_behind).",
            "saves_behind"),

@@ -46,7 +46,8 @@ import torch
 
 from storage import Store, StoreError
 from vllm_kvcodec.errors import ChunkFormatError
-from vllm_kvcodec.format import ChunkHeader, decode_payload, read_header
+from vllm_kvcodec.codecs.into_pages import PageExtents
+from vllm_kvcodec.format import ChunkHeader, decode_payload, decode_payload_into, read_header
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.load.direct_read import copy_into, is_raw, read_head, read_pages_into, tensor_bytes
 from vllm_kvcodec.load.load_job import LoadJob
@@ -347,12 +348,12 @@ class Fetcher:
         return known
 
     @staticmethod
-    def _write(job: LoadJob, write: Callable[[], None]) -> None:
+    def _write(job: LoadJob, write: Callable[[], _R]) -> _R:
         """A write into paged memory, only while the load is not cancelled (a cancelled load's blocks are vLLM's)."""
         if not job.begin_write():
             raise LoadError("load cancelled (timeout)", "timeout")
         try:
-            write()
+            return write()
         finally:
             job.end_write()
 
@@ -366,13 +367,20 @@ class Fetcher:
         layers = self.groups[group]
         self._check(header, len(layers), chunk.object_tokens or self.addresses.namespace.chunk_size)
         if (buffers := self._page_buffers(layers, chunk.spans, header)) is not None:
-            # A page object landing whole: its (decoded) payload is the pages, in order; copy it where they go.
-            if is_raw(header):
+            # A page object landing whole: its (decoded) payload is the pages, in order. Decode it straight
+            # into them where the codec can (one pass, no array between: decode and scatter are one time),
+            # else copy it where they go.
+            into = not is_raw(header) and self._write(
+                job, lambda: decode_payload_into(blob, header, PageExtents(buffers)))
+            if into:
+                self.stats.add(objects_decoded_into_pages=1)
+            elif is_raw(header):
                 pages = memoryview(blob)[header.payload_offset : header.payload_offset + header.payload_length]
             else:
                 pages = tensor_bytes(decode_payload(blob, header))
             t2 = time.perf_counter()
-            self._write(job, lambda: copy_into(pages, buffers))
+            if not into:
+                self._write(job, lambda: copy_into(pages, buffers))
             on_device = False
         else:
             decoded = self.placement.decode(blob, header, chunk.spans)
