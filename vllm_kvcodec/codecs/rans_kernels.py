@@ -103,10 +103,14 @@ def _step(x: np.uint32, table: np.ndarray) -> tuple:
 
 @numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
 def _renorm(x: np.uint32, buf: np.ndarray, pos: int) -> tuple:
-    """Shift in the next word when the state fell below RANS_L (the caller checks ``pos``)."""
-    if x < np.uint32(RANS_L):
-        return (x << np.uint32(16)) | buf[pos], pos + 1
-    return x, pos
+    """Shift in the next word when the state fell below RANS_L (the caller checks ``pos``).
+
+    Branch-free: whether a state needs a word is a coin toss the predictor
+    loses, so the word is always read (``buf`` is padded) and selected.
+    """
+    need = x < np.uint32(RANS_L)
+    shifted = (x << np.uint32(16)) | buf[pos]
+    return (shifted if need else x), pos + np.int64(need)
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
