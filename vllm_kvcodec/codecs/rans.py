@@ -160,6 +160,12 @@ def shift_channels(values: np.ndarray, medians: np.ndarray, sign: int) -> np.nda
     """``(values + sign * median of the channel) mod 256``: -1 makes residuals, +1 restores exponents."""
     outer, tokens, inner = values.shape
     out = np.empty_like(values)
+    if inner == 1:  # page objects: the channel is a row (token_axis innermost); one loop over it vectorises
+        for o in range(outer):
+            m = sign * np.int32(medians[o, 0])
+            for t in range(tokens):
+                out[o, t, 0] = np.uint8((np.int32(values[o, t, 0]) + m) & 0xFF)
+        return out
     for o in range(outer):
         for t in range(tokens):
             for i in range(inner):
