@@ -58,8 +58,8 @@ def video_target(request, real_chunks) -> Target:
     return _target(request.param, real_chunks[0])
 
 
-def _decode_measured(target: Target, case: Case) -> int:
-    """Run the target; any exception but the format's propagates. Returns the traced peak bytes."""
+def _decode_measured(target: Target, case: Case) -> tuple[int, object]:
+    """Run the target; any exception but the format's propagates. Returns the traced peak bytes and the output."""
     tracemalloc.start()
     try:
         try:
@@ -67,18 +67,19 @@ def _decode_measured(target: Target, case: Case) -> int:
         except ChunkFormatError:
             out = None
         peak = tracemalloc.get_traced_memory()[1]
-        del out
     finally:
         tracemalloc.stop()
-    return peak
+    return peak, out
 
 
 def _check(target: Target, rng) -> None:
     case = target.make(rng.choice(target.seeds), rng)
-    peak = _decode_measured(target, case)
+    peak, out = _decode_measured(target, case)
     assert peak <= case.alloc_bound, (
         f"{target.name}: decode allocated {peak} bytes for {case.declared_nbytes} declared ({case.shape} {case.dtype.name})"
     )
+    if target.check is not None:  # decode_into on the same input: what decode returned, or nothing at all
+        target.check(case, out)
 
 
 # No per-example deadline: a 2-core CI box under load (or a first call that compiles numba kernels) made

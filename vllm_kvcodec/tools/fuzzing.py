@@ -16,7 +16,10 @@ A decoder passes an input when it either returns exactly the declared shape
 and dtype or raises :class:`~vllm_kvcodec.errors.ChunkFormatError` (the
 format's documented exception family, :class:`CodecError` included), and when
 its traced allocations stay within ``ALLOC_FACTOR`` times the declared
-(validated) output size plus ``ALLOC_SLACK``.
+(validated) output size plus ``ALLOC_SLACK``. The codec targets then also run
+``decode_into`` on the same input (the load path's decode straight into KV
+pages; ``Target.check``): it must write exactly what ``decode`` returned, or
+nothing at all.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import torch
 import xxhash
 
 from vllm_kvcodec.codecs import get_codec
+from vllm_kvcodec.codecs.base import Codec
+from vllm_kvcodec.codecs.into_pages import PageExtents
 from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ChunkFormatError
 from vllm_kvcodec.format import _FIXED, decode_chunk, encode_chunk, read_header
@@ -112,6 +117,9 @@ class Target:
     seeds: tuple[Seed, ...]
     make: Callable[[Seed, random.Random], Case]
     run: Callable[[Case], Any]
+    #: run on the same input after the measured decode (outside its allocation trace), given what it returned
+    #: (None if it raised); raises AssertionError on a finding
+    check: Callable[[Case, Any], None] | None = None
 
 
 # ---- seeds ------------------------------------------------------------------------------------
@@ -284,6 +292,13 @@ def _chunk_case(data: bytes, seed: Seed) -> Case:
     return Case(data, seed.dtype, seed.shape, declared_nbytes(data))
 
 
+def unmutated(target: Target, seed: Seed) -> Case:
+    """The seed as it was encoded, in the target's form: what a warm-up runs so every kernel a decode calls is loaded."""
+    if target.make is make_codec_case:
+        return Case(seed.payload, seed.dtype, seed.shape, int(np.prod(seed.shape, dtype=np.int64)) * seed.dtype.itemsize)
+    return _chunk_case(seed.blob, seed)
+
+
 def make_chunk_raw(seed: Seed, rng: random.Random) -> Case:
     return _chunk_case(mutate(seed.blob, rng, seed.header_fields), seed)
 
@@ -326,6 +341,46 @@ def _decode_codec(config: dict[str, Any]) -> Callable[[Case], np.ndarray]:
     return run
 
 
+def _decode_into_check(config: dict[str, Any]) -> Callable[[Case, Any], None]:
+    codec = get_codec(config)
+    return lambda case, decoded: _check_decode_into(codec, case, decoded)
+
+
+#: decode_into is checked beside decode for outputs up to this size (it writes into a buffer that large)
+INTO_CHECK_BYTES = 8 << 20
+_CANARY = 0xA5
+
+
+def _check_decode_into(codec: Codec, case: Case, decoded: np.ndarray | None) -> None:
+    """``decode_into``, given two extents of a canary-filled buffer, writes what ``decode`` returned or nothing.
+
+    It writes through raw addresses, so it is held to more than "raises a
+    format error": a payload ``decode`` refuses must leave the buffer as it
+    was, and one it accepts must land exactly, with the gaps untouched.
+    """
+    n = case.declared_nbytes
+    if not 0 < n <= INTO_CHECK_BYTES:
+        return
+    gap, cut = 64, n // 3 // 4 * 4
+    buf = bytearray([_CANARY]) * (n + 3 * gap)
+    view = memoryview(buf)
+    extents = [view[gap : gap + cut], view[2 * gap + cut : 2 * gap + n]]
+    try:
+        wrote = codec.decode_into(memoryview(case.data), case.dtype, case.shape, PageExtents(extents))
+    except ChunkFormatError:
+        wrote = False
+    if wrote and decoded is None:
+        raise AssertionError(f"{codec.codec_id}: decode_into accepted a payload decode refuses")
+    expected = bytearray([_CANARY]) * len(buf)
+    if wrote:
+        flat = np.ascontiguousarray(decoded).reshape(-1).view(np.uint8)
+        expected[gap : gap + cut] = flat[:cut].tobytes()
+        expected[2 * gap + cut : 2 * gap + n] = flat[cut:].tobytes()
+    if buf != expected:
+        raise AssertionError(f"{codec.codec_id}: decode_into wrote " + ("other bytes than decode returned" if wrote
+                             else "into the pages although it did not decode"))
+
+
 def _decode_resealed(case: Case) -> torch.Tensor:
     out = decode_chunk(case.data)
     header = read_header(case.data)  # it decoded, so the header is valid
@@ -353,7 +408,8 @@ def make_target(name: str, kv: torch.Tensor, video: bool = True) -> Target:
     """One target; chunk targets mutate chunks of every codec, codec targets one codec's payloads."""
     if name in CODEC_TARGETS:
         config = CODEC_TARGETS[name]
-        return Target(name, tuple(make_seeds(kv, [config])), make_codec_case, _decode_codec(config))
+        return Target(name, tuple(make_seeds(kv, [config])), make_codec_case, _decode_codec(config),
+                      _decode_into_check(config))
     if name not in CHUNK_TARGETS:
         raise ValueError(f"unknown fuzz target {name!r}; known: {', '.join(target_names())}")
     configs = [c for n, c in CODEC_TARGETS.items() if video or "video" not in n]

@@ -70,9 +70,16 @@ def _child(name: str, count: int, seed: int, video: bool, result_path: str, trac
 
 
 def _warm_up(target: Any) -> None:
-    """Numba's cached kernels, libav's decoders and first-touch pages, before anything is measured."""
+    """Numba's cached kernels, libav's decoders and first-touch pages, before anything is measured.
+
+    Each seed runs once as it was encoded (mutated ones mostly fail before the
+    kernels that write, such as decode_into's), then mutated a few times.
+    """
+    from vllm_kvcodec.tools.fuzzing import unmutated
+
     rng = random.Random("warm-up")
     for s in target.seeds:
+        target.run(unmutated(target, s))
         for _ in range(4):
             try:
                 target.run(target.make(s, rng))
@@ -84,6 +91,7 @@ def _fuzz(target: Any, count: int, seed: int, findings_dir: Path, progress: Any)
     from vllm_kvcodec.tools.fuzzing import is_format_error
 
     outcomes: collections.Counter[str] = collections.Counter()
+    checks_failed: collections.Counter[str] = collections.Counter()
     findings: list[dict[str, Any]] = []
     worst = {"alloc_bytes": 0, "alloc_ratio": 0.0, "violations": 0, "slowest_s": 0.0, "slowest_index": -1,
              "rss_step_bytes": 0, "rss_step_index": -1, "rss_step_declared": 0}
@@ -107,11 +115,18 @@ def _fuzz(target: Any, count: int, seed: int, findings_dir: Path, progress: Any)
                 findings.append(_finding(target.name, i, case, exc, findings_dir))
         peak = tracemalloc.get_traced_memory()[1] - base
         dt = time.perf_counter() - t0
+        if target.check is not None:
+            try:
+                target.check(case, out)
+            except Exception as exc:  # noqa: BLE001 - every failed check is a finding
+                checks_failed[type(exc).__name__ + " (check)"] += 1
+                if len(findings) < MAX_FINDINGS:
+                    findings.append(_finding(target.name, i, case, exc, findings_dir))
         del out
         _account(worst, i, case, peak, dt, _maxrss() - rss0)
     seconds = time.perf_counter() - t_start
     tracemalloc.stop()
-    bad = {k: v for k, v in outcomes.items() if k != "ok" and not _is_format_error_name(k)}
+    bad = {k: v for k, v in outcomes.items() if k != "ok" and not _is_format_error_name(k)} | dict(checks_failed)
     return {"target": target.name, "inputs": count, "seeds": len(target.seeds), "seconds": seconds,
             "outcomes": dict(outcomes), "other_exceptions": bad, "findings": findings, **worst,
             "rss_start_bytes": rss_start, "rss_end_bytes": _maxrss()}
