@@ -96,7 +96,8 @@ class RansCodec(Codec):
         freqs = _read_table(reader)
         n_words = reader.u32("word count")
         expect_at_most("rans word count", n_words, 2 * rk.LANES + n)
-        words = np.frombuffer(reader.take(2 * n_words, "words"), dtype="<u2").astype(np.uint16)
+        words = np.frombuffer(reader.take(2 * n_words, "words"), dtype="<u2")
+        words = words if words.dtype.isnative else words.astype(np.uint16)  # read in place on little-endian hosts
         signman = np.frombuffer(reader.take(n * _rest_bytes(dtype), "sign-mantissa"), dtype=np.uint8)
         reader.finish()
         symbols = np.empty(n, dtype=np.uint8)

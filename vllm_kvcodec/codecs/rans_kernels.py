@@ -106,21 +106,23 @@ def _renorm(x: np.uint32, buf: np.ndarray, pos: int) -> tuple:
     """Shift in the next word when the state fell below RANS_L (the caller checks ``pos``).
 
     Branch-free: whether a state needs a word is a coin toss the predictor
-    loses, so the word is always read (``buf`` is padded) and selected.
+    loses, so the word is always read (the caller leaves one there) and selected.
     """
     need = x < np.uint32(RANS_L)
-    shifted = (x << np.uint32(16)) | buf[pos]
+    shifted = (x << np.uint32(16)) | np.uint32(buf[pos])
     return (shifted if need else x), pos + np.int64(need)
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def decode(words: np.ndarray, freqs: np.ndarray, out: np.ndarray) -> bool:
-    """Decode len(out) symbols; False on any inconsistency (the caller raises).
+    """Decode len(out) symbols from ``words`` (uint16, as stored); False on any inconsistency (the caller raises).
 
     The four lanes' states live in registers, one symbol of each per round:
     their chains overlap (2.3 ns a symbol against 3.4 with the states in an
-    array, on real KV). Words are read from a copy padded by one round, so a
-    round reads without a bounds check and the check runs once per round.
+    array, on real KV). Rounds read without a bounds check while a whole
+    round's four words are left (renormalisation reads its word always and
+    selects it: see _renorm); the last rounds check every read. The stream is
+    read where it lies: no widened, padded copy of it.
     """
     n_words = words.shape[0]
     if n_words < 2 * LANES:
@@ -131,41 +133,39 @@ def decode(words: np.ndarray, freqs: np.ndarray, out: np.ndarray) -> bool:
     if total != PROB_SCALE:
         return False
     table = slot_table(freqs)
-    buf = np.zeros(n_words + LANES, dtype=np.uint32)
-    buf[:n_words] = words
     low = np.uint32(RANS_L)
     s16 = np.uint32(16)
-    x0, x1 = buf[0] | (buf[1] << s16), buf[2] | (buf[3] << s16)
-    x2, x3 = buf[4] | (buf[5] << s16), buf[6] | (buf[7] << s16)
+    x0 = np.uint32(words[0]) | (np.uint32(words[1]) << s16)
+    x1 = np.uint32(words[2]) | (np.uint32(words[3]) << s16)
+    x2 = np.uint32(words[4]) | (np.uint32(words[5]) << s16)
+    x3 = np.uint32(words[6]) | (np.uint32(words[7]) << s16)
     if x0 < low or x1 < low or x2 < low or x3 < low:
         return False
     pos = 2 * LANES
     n = out.shape[0]
     rounds = n - (n & (LANES - 1))
-    for i in range(0, rounds, LANES):
-        if pos > n_words:
-            return False
+    i = 0
+    while i < rounds and pos + LANES <= n_words:
         x0, out[i] = _step(x0, table)
-        x0, pos = _renorm(x0, buf, pos)
+        x0, pos = _renorm(x0, words, pos)
         x1, out[i + 1] = _step(x1, table)
-        x1, pos = _renorm(x1, buf, pos)
+        x1, pos = _renorm(x1, words, pos)
         x2, out[i + 2] = _step(x2, table)
-        x2, pos = _renorm(x2, buf, pos)
+        x2, pos = _renorm(x2, words, pos)
         x3, out[i + 3] = _step(x3, table)
-        x3, pos = _renorm(x3, buf, pos)
-    if pos > n_words:
-        return False
-    for i in range(rounds, n):  # lanes 0..2 of a last, partial round: at most 3 reads, within the padding
-        x = x0 if i == rounds else (x1 if i == rounds + 1 else x2)
-        x, out[i] = _step(x, table)
-        x, pos = _renorm(x, buf, pos)
-        if i == rounds:
-            x0 = x
-        elif i == rounds + 1:
-            x1 = x
-        else:
-            x2 = x
-    return pos == n_words and x0 == low and x1 == low and x2 == low and x3 == low
+        x3, pos = _renorm(x3, words, pos)
+        i += LANES
+    states = np.empty(LANES, dtype=np.uint32)
+    states[0], states[1], states[2], states[3] = x0, x1, x2, x3
+    for j in range(i, n):  # the last rounds, and lanes 0..2 of a partial one: every read checked
+        x, out[j] = _step(states[j & (LANES - 1)], table)
+        if x < low:
+            if pos >= n_words:
+                return False
+            x = (x << s16) | np.uint32(words[pos])
+            pos += 1
+        states[j & (LANES - 1)] = x
+    return pos == n_words and states[0] == low and states[1] == low and states[2] == low and states[3] == low
 
 
 def encode_symbols(symbols: np.ndarray, freqs: np.ndarray) -> np.ndarray:
