@@ -45,6 +45,22 @@ class PageExtents:
         self.addresses = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
         self.nbytes = np.array([a.nbytes for a in arrays], dtype=np.int64)
 
+    @classmethod
+    def within(cls, owners: Sequence[memoryview], addresses: Sequence[int], nbytes: Sequence[int]) -> PageExtents:
+        """Extents already known as addresses inside ``owners`` (writable buffers, kept alive with the extents).
+
+        For a caller that computed them itself from a buffer's base address
+        (the fetcher: a layer cache plus each run's offset), so that no view
+        or array is made per extent.
+        """
+        if any(o.readonly for o in owners):
+            raise ValueError("page extents must be writable")
+        extents = cls.__new__(cls)
+        extents._buffers = list(owners)
+        extents.addresses = np.asarray(addresses, dtype=np.int64)
+        extents.nbytes = np.asarray(nbytes, dtype=np.int64)
+        return extents
+
     @property
     def total(self) -> int:
         return int(self.nbytes.sum())
