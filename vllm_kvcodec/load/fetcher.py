@@ -389,20 +389,7 @@ class Fetcher:
         layers = self.groups[group]
         self._check(header, len(layers), chunk.object_tokens or self.addresses.namespace.chunk_size)
         if (runs := self._page_runs(layers, chunk.spans, header)) is not None:
-            # A page object landing whole: its (decoded) payload is the pages, in order. Decode it straight
-            # into them where the codec can (one pass, no array between: decode and scatter are one time),
-            # else copy it where they go.
-            into = not is_raw(header) and self._write(
-                job, lambda: decode_payload_into(blob, header, self._page_extents(runs)))
-            if into:
-                self.stats.add(objects_decoded_into_pages=1)
-            elif is_raw(header):
-                pages = memoryview(blob)[header.payload_offset : header.payload_offset + header.payload_length]
-            else:
-                pages = tensor_bytes(decode_payload(blob, header))
-            t2 = time.perf_counter()
-            if not into:
-                self._write(job, lambda: copy_into(pages, self._page_buffers(runs)))
+            t2 = self._into_pages(job, blob, header, runs)
             on_device = False
         else:
             decoded = self.placement.decode(blob, header, chunk.spans)
@@ -412,6 +399,21 @@ class Fetcher:
         t3 = time.perf_counter()
         job.account(cpu_s=t3 - t1)
         self._loaded(group, chunk, header, len(blob), decode_s=t2 - t1, scatter_s=t3 - t2, on_device=on_device)
+
+    def _into_pages(self, job: LoadJob, blob: bytes, header: ChunkHeader, runs: list[PageRun]) -> float:
+        """A page object landing whole, whose (decoded) payload is its pages in order: decoded straight into them
+        where the codec can (decode and scatter are then one pass, counted as decode), else decoded and copied
+        there. Returns when its decode ended."""
+        if not is_raw(header) and self._write(job, lambda: decode_payload_into(blob, header, self._page_extents(runs))):
+            self.stats.add(objects_decoded_into_pages=1)
+            return time.perf_counter()
+        if is_raw(header):
+            pages = memoryview(blob)[header.payload_offset : header.payload_offset + header.payload_length]
+        else:
+            pages = tensor_bytes(decode_payload(blob, header))
+        decoded = time.perf_counter()
+        self._write(job, lambda: copy_into(pages, self._page_buffers(runs)))
+        return decoded
 
     def _loaded(self, group: int, chunk: ChunkLoad, header: ChunkHeader, nbytes: int, *, decode_s: float,
                 scatter_s: float, on_device: bool) -> None:
