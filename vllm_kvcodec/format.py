@@ -225,12 +225,17 @@ def decode_payload(blob: bytes | bytearray | memoryview, header: ChunkHeader, *,
     caller that copies it somewhere at once and never writes it.
     """
     codec = _codec_for(header)
-    payload = memoryview(blob).cast("B")[header.payload_offset : header.payload_offset + header.payload_length]
+    payload = payload_of(blob, header)
     decode = codec.decode_borrowed if borrow else codec.decode
     bits = decode(payload, header.dtype, header.shape)
     if bits.shape != header.shape or bits.dtype != header.dtype.bits_dtype:
         raise ChunkFormatError(f"codec {header.codec_id!r} produced {bits.shape}/{bits.dtype}, not {header.shape}")
     return bits_to_tensor(bits, header.dtype)
+
+
+def payload_of(blob: bytes | bytearray | memoryview, header: ChunkHeader) -> memoryview:
+    """The codec payload of ``blob``, whose header :func:`read_header` validated, without a copy."""
+    return memoryview(blob).cast("B")[header.payload_offset : header.payload_offset + header.payload_length]
 
 
 def decode_payload_into(blob: bytes | bytearray | memoryview, header: ChunkHeader, extents: PageExtents) -> bool:
@@ -240,7 +245,7 @@ def decode_payload_into(blob: bytes | bytearray | memoryview, header: ChunkHeade
     """
     if sys.byteorder != "little":  # the kernels write the values' bytes as this host orders them
         return False
-    payload = memoryview(blob).cast("B")[header.payload_offset : header.payload_offset + header.payload_length]
+    payload = payload_of(blob, header)
     return _codec_for(header).decode_into(payload, header.dtype, header.shape, extents)
 
 

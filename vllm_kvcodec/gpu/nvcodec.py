@@ -342,14 +342,13 @@ def decode_video_chunk_nvdec(
     """Decode a bfloat16 ``video``/``hevc`` chunk blob on the GPU: :func:`decode_video_payload_nvdec` after
     :func:`vllm_kvcodec.format.read_header` (which checks the header and the chunk checksum)."""
     from vllm_kvcodec.dtypes import DType
-    from vllm_kvcodec.format import read_header
+    from vllm_kvcodec.format import payload_of, read_header
 
     header = read_header(blob)
     config = header.codec_config
     if config.get("id") != "video" or config.get("backend") != "hevc" or header.dtype is not DType.BFLOAT16:
         raise ConfigError(f"NVDEC decodes bfloat16 'video' chunks with backend 'hevc', not {config} {header.dtype.name}")
-    payload = memoryview(blob).cast("B")[header.payload_offset : header.payload_offset + header.payload_length]
-    return decode_video_payload_nvdec(payload, header.shape, device, verify_hash=verify_hash,
+    return decode_video_payload_nvdec(payload_of(blob, header), header.shape, device, verify_hash=verify_hash,
                                       planes_decoder=planes_decoder)
 
 

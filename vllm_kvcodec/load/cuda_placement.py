@@ -36,7 +36,7 @@ import torch
 from storage import Store
 from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
-from vllm_kvcodec.format import ChunkHeader, decode_payload
+from vllm_kvcodec.format import ChunkHeader, decode_payload, payload_of
 from vllm_kvcodec.gpu.launch import can_run_on
 from vllm_kvcodec.gpu.scatter_triton import check_slots, packed_pages_for
 from vllm_kvcodec.gpu.side_stream import SideStream
@@ -111,7 +111,7 @@ class CudaPlacement(Placement):
         check_slots(slots, self.num_slots)
         on_device = _on_device(header)
         if on_device:
-            body = memoryview(blob).cast("B")[header.payload_offset : header.payload_offset + header.payload_length]
+            body = payload_of(blob, header)
         else:
             cpu = decode_payload(blob, header)  # validated; raises on anything it cannot vouch for
             body = cpu.view(-1).view(torch.uint8)

@@ -48,7 +48,7 @@ import torch
 from storage import Store, StoreError
 from vllm_kvcodec.errors import ChunkFormatError
 from vllm_kvcodec.codecs.into_pages import PageExtents
-from vllm_kvcodec.format import ChunkHeader, decode_payload, decode_payload_into, read_header
+from vllm_kvcodec.format import ChunkHeader, decode_payload, decode_payload_into, payload_of, read_header
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.load.direct_read import copy_into, is_raw, read_head, read_pages_into, tensor_bytes
 from vllm_kvcodec.load.load_job import LoadJob
@@ -76,6 +76,14 @@ class PageRun(NamedTuple):
     layer: int
     offset: int
     nbytes: int
+
+
+class LayerBytes(NamedTuple):
+    """A layer's host cache as bytes, what its page extents depend on, and its address (caches never change)."""
+
+    raw: memoryview
+    geometry: tuple[object, ...]
+    address: int
 
 
 class LoadError(Exception):
@@ -183,7 +191,7 @@ class Fetcher:
         self.objects = self.placement.objects = object_layout_for(addresses.namespace.layout_id)
         self._pool = started_pool(threads, "kvcodec-fetch", _warm_thread)
         self._decode_pool: ThreadPoolExecutor | None = None
-        self._cache_bytes: dict[int, tuple[memoryview, tuple[object, ...]]] = {}  # per layer, for reads in place
+        self._cache_bytes: dict[int, LayerBytes] = {}  # per layer, for reads in place
         self.fetch_threads, self.cpu_threads = threads, threads  # who fetches, who decodes and scatters
         if decode_threads is not None and decode_threads < threads:
             self.cpu_threads = decode_threads
@@ -340,7 +348,7 @@ class Fetcher:
         extents: list[tuple[int, int]] | None = None
         seen: tuple[object, ...] | None = None
         for layer in layers:
-            _, same, _ = self._layer_bytes(layer)
+            same = self._layer_bytes(layer).geometry
             if extents is None or same != seen:  # layers alike (layout, shape, strides, dtype) share the extents
                 extents, seen = self.layouts[layer].page_extents(self.caches[layer], runs), same
                 if extents is None:
@@ -349,24 +357,23 @@ class Fetcher:
         return out
 
     def _page_buffers(self, runs: list[PageRun]) -> list[memoryview]:
-        return [self._layer_bytes(r.layer)[0][r.offset : r.offset + r.nbytes] for r in runs]
+        return [self._layer_bytes(r.layer).raw[r.offset : r.offset + r.nbytes] for r in runs]
 
     def _page_extents(self, runs: list[PageRun]) -> PageExtents:
         """The runs as addresses for a kernel: each layer's base plus the offset, no view or array per run
         (building those cost 2 ms of a 4096-token load)."""
         layers = {r.layer for r in runs}
-        return PageExtents.within([self._layer_bytes(layer)[0] for layer in layers],
-                                  [self._layer_bytes(r.layer)[2] + r.offset for r in runs], [r.nbytes for r in runs])
+        return PageExtents.within([self._layer_bytes(layer).raw for layer in layers],
+                                  [self._layer_bytes(r.layer).address + r.offset for r in runs], [r.nbytes for r in runs])
 
-    def _layer_bytes(self, layer: int) -> tuple[memoryview, tuple[object, ...], int]:
-        """A layer's cache bytes, what its page extents depend on, and their address (computed once: caches never
-        change)."""
+    def _layer_bytes(self, layer: int) -> LayerBytes:
+        """Computed once per layer: caches never change."""
         if (known := self._cache_bytes.get(layer)) is None:
             cache, layout = self.caches[layer], self.layouts[layer]
             raw = cache_bytes(cache) if cache.device.type == "cpu" and cache.is_contiguous() else memoryview(b"")
             address = np.frombuffer(raw, dtype=np.uint8).ctypes.data if raw.nbytes else 0
-            known = self._cache_bytes[layer] = (raw, (type(layout), layout.geometry, tuple(cache.shape),
-                                                      tuple(cache.stride()), cache.dtype, raw.nbytes), address)
+            known = self._cache_bytes[layer] = LayerBytes(raw, (type(layout), layout.geometry, tuple(cache.shape),
+                                                                tuple(cache.stride()), cache.dtype, raw.nbytes), address)
         return known
 
     @staticmethod
@@ -404,13 +411,11 @@ class Fetcher:
         """A page object landing whole, whose (decoded) payload is its pages in order: decoded straight into them
         where the codec can (decode and scatter are then one pass, counted as decode), else decoded and copied
         there. Returns when its decode ended."""
-        if not is_raw(header) and self._write(job, lambda: decode_payload_into(blob, header, self._page_extents(runs))):
+        raw = is_raw(header)
+        if not raw and self._write(job, lambda: decode_payload_into(blob, header, self._page_extents(runs))):
             self.stats.add(objects_decoded_into_pages=1)
             return time.perf_counter()
-        if is_raw(header):
-            pages = memoryview(blob)[header.payload_offset : header.payload_offset + header.payload_length]
-        else:
-            pages = tensor_bytes(decode_payload(blob, header))
+        pages = payload_of(blob, header) if raw else tensor_bytes(decode_payload(blob, header))
         decoded = time.perf_counter()
         self._write(job, lambda: copy_into(pages, self._page_buffers(runs)))
         return decoded
