@@ -18,8 +18,12 @@ def test_a_small_run_saves_then_loads_with_vllms_client(tmp_path) -> None:
     by = {r["kind"]: r for r in result["runs"]}
     assert set(by) == {"none", "save", "load"}
     assert all(r["completed"] == 4 and r["failed"] == 0 for r in by.values())
-    # the saving server stored the shared prefix's chunk (256 of 300 tokens) in every layer group
-    assert by["save"]["counters"]["saved_chunks"] >= 1 and by["save"]["stored_objects"] >= 1
+    # the saving server looked every request up, found nothing (an empty store) and stored the shared prefix's
+    # chunk (256 of 300 tokens). Its saved_chunks counter is not asserted: a save that lands after the engine's
+    # last step is only reported with a next step, and an idle engine takes none (CI saw 0 on a fast host);
+    # the store's own count, after the shutdown flush, is the deterministic figure.
+    assert by["save"]["counters"]["lookups"] >= 4 and by["save"]["counters"].get("hit_chunks", 0) == 0
+    assert by["save"]["stored_objects"] >= 1
     assert by["save"]["counters"].get("loaded_tokens", 0) == 0  # an empty store: nothing to load
     # the fresh server loaded it, for every request, without a failure
     assert by["load"]["counters"]["loaded_tokens"] >= 256

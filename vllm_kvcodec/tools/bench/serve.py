@@ -240,7 +240,8 @@ def _print(result: dict[str, Any]) -> None:
                ["run", "req/s", "TTFT ms", "med ms", "p99 ms", "failed", "CPU-s/req", "enc s/req", "saved", "behind",
                 "objects", "loaded tok", "load fail"], rows)
     console.print("TTFT: mean; enc s/req: the save threads' encode seconds per request; saved: chunks the connector "
-                  "counted saved when the client finished, behind: of them, encoded while a round of saves waited "
+                  "counted saved when the client finished (a worker reports with the engine's steps, so saves landing "
+                  "after the last step are missing), behind: of them, encoded while a round of saves waited "
                   f"(with {result['save_codec_when_behind'] or 'the same codec'}); objects: what the store held after "
                   "the server stopped (its shutdown flushes queued saves)")
     for kind, s in result["summary"].items():
