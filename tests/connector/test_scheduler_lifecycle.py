@@ -459,6 +459,14 @@ def test_auto_reads_a_probe_at_start_up_and_leaves_nothing(tmp_path, store) -> N
     e.shutdown()
 
 
+def test_a_load_only_instance_writes_no_probe(tmp_path, store) -> None:
+    """auto chooses the codec of saves: an instance that never saves has no use for the probe's put (on a shared
+    store near its cap that put would evict others' chunks)."""
+    e = make(tmp_path, store, codec="auto", save=False)
+    assert not e.worker.worker.chooser.link.measured
+    e.shutdown()
+
+
 def test_the_harness_catches_a_poisoned_local_hit(tmp_path, store, monkeypatch) -> None:
     """Without the eviction, the abort-before-recompute case reads KV that was never written."""
     from vllm_kvcodec.connector.scheduler_half import SchedulerHalf

@@ -124,7 +124,7 @@ class WorkerHalf:
                            nice=self.config.save_thread_nice)
         self.save_gather = save_gather_for(caches, ordered, self.saver, self.layer_cache_groups, self.objects)
         self.chooser.token_axis = self.objects.token_axis
-        if self.chooser.auto:
+        if self.chooser.auto and self.config.save:  # a load-only instance chooses no codec: it writes nothing
             self._probe_link(addresses)
         logger.info("kvcodec: %d KV layers, %d per stored object (%d KV cache groups: %s), layout %s, store %s, "
                     "codec %s, %d fetch / %d decode threads", len(names), len(self.groups[0]), len(self.cache_groups.groups),
