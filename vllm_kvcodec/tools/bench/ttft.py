@@ -47,6 +47,7 @@ from typing import Any
 from storage.options import split_query, with_query
 
 from vllm_kvcodec.tools.bench import replay as replay_bench
+from vllm_kvcodec.tools.bench.cpu_floor import cpu_floor, usable_cores
 from vllm_kvcodec.tools.bench.report import console, machine, wide_table, write_json
 
 DEFAULT_CODECS = ("raw", "zstd", "splitzip", "rans", "auto")
@@ -163,11 +164,12 @@ def run(
                 status.update(f"{where}: measuring TTFT")
                 engine.reset_prefix_cache()
                 first_load = engine.generate(prompts[1], 1)[0]  # the first load in this engine (untimed below)
-                ttfts, loads, local = [], [], []
+                ttfts, loads, local, cpu = [], [], [], []
                 for p in prompts[2 : 2 + repeats]:
                     engine.reset_prefix_cache()
                     before = engine.stats()
                     ttfts.append(engine.generate(p, 1)[0])
+                    cpu.append(engine.last_cpu_s)
                     loads.append(_delta(engine.stats(), before))
                     local.append(engine.generate(p, 1)[0])  # the same prompt again: a local hit in this engine
                 engine.close()
@@ -175,6 +177,7 @@ def run(
                 row = _row(name, g, ttfts, loads, populated[store_key], baseline, expected_hit)
                 row["local_hit_s"], row["local_hit_all_s"] = _median(local), local
                 row["over_local"] = _median([t / h for t, h in zip(ttfts, local)])
+                row.update(cpu_floor(cpu, local))
                 row["first_load_s"] = first_load
                 row["first_in_process"] = not rows
                 rows.append(row)
@@ -230,18 +233,20 @@ def _baselines(prompts: list[list[int]], repeats: int, max_len: int, status: Any
     engine = Engine(None, max_model_len=max_len)
     status.update("baseline: recompute TTFT")
     engine.generate(prompts[0], 1)  # warm-up at full length
-    recompute, local = [], []
+    recompute, local, local_cpu = [], [], []
     for p in prompts[2 : 2 + repeats]:
         engine.reset_prefix_cache()
         recompute.append(engine.generate(p, 1)[0])
     status.update("baseline: local prefix-cache hit TTFT (suffix prefill only)")
     for p in prompts[2 : 2 + repeats]:
         local.append(engine.generate(p, 1)[0])  # the prefix's blocks stay cached
+        local_cpu.append(engine.last_cpu_s)
     engine.close()
     baseline = {"recompute_s": _median(recompute), "recompute_all_s": recompute,
-                "local_hit_s": _median(local), "local_hit_all_s": local}
+                "local_hit_s": _median(local), "local_hit_all_s": local, "local_hit_cpu_s": _median(local_cpu)}
     console.log(f"recompute TTFT {baseline['recompute_s'] * 1000:.0f} ms, "
-                f"local prefix-cache hit {baseline['local_hit_s'] * 1000:.0f} ms")
+                f"local prefix-cache hit {baseline['local_hit_s'] * 1000:.0f} ms "
+                f"({baseline['local_hit_cpu_s'] * 1000:.0f} CPU-ms on {usable_cores()} cores)")
     return baseline
 
 
@@ -355,7 +360,7 @@ def _print(result: dict[str, Any]) -> None:
                "local disk (no link emulator), vLLM's prefix cache reset before each, each replay paired with a local "
                "hit of the same prompt in the same engine (÷local hit: the median of the pairs' ratios); vLLM's "
                "ExampleConnector beside this connector",
-               ["served by", "TTFT ms", "local hit ms", "cached", "computed", "÷local hit", "÷ExampleConnector"],
+               ["served by", "TTFT ms", "local hit ms", "cached", "computed", "÷local hit", "CPU floor", "÷ExampleConnector"],
                replay_bench.table_rows(result["replay"]))
     for name, t in result["targets"].items():
         value = "n/a" if t["value"] is None else f"{t['value']:.3f}"
@@ -370,10 +375,10 @@ def _print_loads(result: dict[str, Any]) -> None:
         f"TTFT: SmolLM2-135M, {result['machine']['cores']} CPU cores, {result['prefix_tokens']}-token stored prefix "
         f"+ {result['suffix_tokens']}-token suffix, link RTT {result['rtt_ms']:g} ms; "
         f"recompute {b['recompute_s'] * 1000:.0f} ms, local prefix-cache hit {b['local_hit_s'] * 1000:.0f} ms",
-        ["codec", "Gbit/s", "TTFT ms", "local hit ms", "÷local hit", "÷raw", "1st load ms", "÷recompute", "ratio",
-         "wire ms", "fetch s", "decode s", "scatter s"],
+        ["codec", "Gbit/s", "TTFT ms", "local hit ms", "÷local hit", "CPU floor", "÷raw", "1st load ms", "÷recompute",
+         "ratio", "wire ms", "fetch s", "decode s", "scatter s"],
         [[_label(r), f"{r['gbps']:g}", f"{r['ttft_s'] * 1000:.0f}" + ("" if r["full_hit"] else " (!)"),
-          f"{r['local_hit_s'] * 1000:.0f}", f"{r['over_local']:.2f}",
+          f"{r['local_hit_s'] * 1000:.0f}", f"{r['over_local']:.2f}", f"{r['floor_over_local']:.2f}",
           f"{r['over_local'] / raw[r['gbps']]:.2f}" if r["gbps"] in raw else "-",
           f"{r['first_load_s'] * 1000:.0f}",
           f"{r['vs_recompute']:.2f}", f"{r['ratio']:.3f}", f"{r['wire_s'] * 1000:.0f}",
@@ -381,6 +386,9 @@ def _print_loads(result: dict[str, Any]) -> None:
     )
     console.print("local hit: the same prompt again right after each load, in the same engine; ÷local hit and "
                   "÷raw: medians of those pairs' ratios (engines started minutes apart differ by up to 2x here)")
+    console.print(f"CPU floor: the load's CPU-seconds (this process, every thread) over the {usable_cores()} usable "
+                  "cores, over the paired local hit: no overlap can bring ÷local hit below it, only less work "
+                  f"(the local hit spent {b.get('local_hit_cpu_s', 0) * 1000:.0f} CPU-ms)")
     console.print("1st load: the first load of that engine (not in the median); in the first engine of the run "
                   "it is a fresh process's first load")
     console.print("fetch/decode/scatter: the connector's seconds for one load, summed over its threads; "
