@@ -210,12 +210,14 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
         return summarize(half.stats.totals()) if half is not None else {}
 
     def flush(self, timeout: float | None = 60.0) -> bool:
-        """Wait for background saves (tests, benchmarks, the demo)."""
+        """Wait for background saves, then upgrades (tests, benchmarks, the demo)."""
         if self.worker is None or self.worker.saver is None:
             return True
         if self.worker.save_gather is not None:
             self.worker.save_gather.flush()  # chunks still on their way to the saver (GPU hand-off)
-        return self.worker.saver.flush(timeout)
+        saved = self.worker.saver.flush(timeout)
+        upgrader = self.worker.upgrader
+        return saved and (upgrader is None or upgrader.flush(timeout))
 
     def shutdown(self) -> None:
         for half in (self.worker, self.scheduler):

@@ -64,6 +64,10 @@ COUNTERS: tuple[CounterSpec, ...] = (
     _plain("saved_chunks", "Chunks saved to the store.", "saved_chunks"),
     _plain("saves_behind", "Chunks saved while a full round of saves waited behind them (with save_codec_when_behind).",
            "saves_behind"),
+    _plain("upgraded_objects", "Objects stored with save_codec_when_behind that a load fetched and the idle saver re-encoded "
+           "with the configured codec, over the same key (upgrade_fallback_chunks).", "upgraded_objects"),
+    _plain("upgraded_bytes_saved", "Store bytes those upgrades freed (compressed size before minus after).",
+           "upgraded_bytes_saved"),
     _plain("encode_seconds", "Thread-seconds the save threads spent encoding chunks.", "encode_s"),
     _plain("saved_bytes", "Bytes written to the store (compressed).", "saved_bytes"),
     _plain("saved_raw_bytes", "Raw KV bytes of the chunks saved (before compression).", "saved_raw_bytes"),

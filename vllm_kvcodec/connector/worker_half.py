@@ -44,6 +44,7 @@ from vllm_kvcodec.paged import CANONICAL_NAMESPACE, layouts_for, shared_kv_layer
 from vllm_kvcodec.paged.objects import object_layout_for
 from vllm_kvcodec.save.gather import SaveGather, chunk_nbytes, save_gather_for
 from vllm_kvcodec.save.saver import Saver
+from vllm_kvcodec.save.upgrade import Upgrader
 from vllm_kvcodec.stats import ConnectorStats
 from vllm_kvcodec.connector.store_access import open_connector_store
 
@@ -86,6 +87,7 @@ class WorkerHalf:
         self._outcome_lock = threading.Lock()  # save outcomes arrive from the saver's threads
         self.recent_loads: collections.deque = collections.deque(maxlen=64)  # for inspection and tests
         self.save_gather: SaveGather | None = None
+        self.upgrader: Upgrader | None = None
         reuse_large_buffers()
         warm_up(DType.parse(namespace.dtype).torch_dtype)  # compile codec kernels now, not in the first load
 
@@ -123,6 +125,9 @@ class WorkerHalf:
                            self.config.max_pending_save_bytes, self.stats, report=self._save_settled,
                            nice=self.config.save_thread_nice)
         self.save_gather = save_gather_for(caches, ordered, self.saver, self.layer_cache_groups, self.objects)
+        if self.config.save and self.config.upgrade_fallback_chunks and self.chooser.behind is not None:
+            self.upgrader = Upgrader(self.store, self.chooser, self.saver.idle, self.stats)
+            self.fetcher.after_load = self.upgrader.offer
         self.chooser.token_axis = self.objects.token_axis
         if self.chooser.auto and self.config.save:  # a load-only instance chooses no codec: it writes nothing
             self._probe_link(addresses)
@@ -356,6 +361,8 @@ class WorkerHalf:
         return True
 
     def shutdown(self) -> None:
+        if self.upgrader is not None:
+            self.upgrader.shutdown()
         if self.save_gather is not None:
             self.save_gather.shutdown()
         if self.saver is not None:

@@ -192,6 +192,9 @@ class Fetcher:
         self._pool = started_pool(threads, "kvcodec-fetch", _warm_thread)
         self._decode_pool: ThreadPoolExecutor | None = None
         self._cache_bytes: dict[int, LayerBytes] = {}  # per layer, for reads in place
+        #: Told of each object decoded from fetched bytes (key, bytes, header), after it landed: the save path's
+        #: upgrade of fallback-coded objects (:mod:`vllm_kvcodec.save.upgrade`). Must not raise or block.
+        self.after_load: Callable[[str, bytes, ChunkHeader], object] | None = None
         self.fetch_threads, self.cpu_threads = threads, threads  # who fetches, who decodes and scatters
         if decode_threads is not None and decode_threads < threads:
             self.cpu_threads = decode_threads
@@ -406,6 +409,8 @@ class Fetcher:
         t3 = time.perf_counter()
         job.account(cpu_s=t3 - t1)
         self._loaded(group, chunk, header, len(blob), decode_s=t2 - t1, scatter_s=t3 - t2, on_device=on_device)
+        if self.after_load is not None:
+            self.after_load(key, blob, header)
 
     def _into_pages(self, job: LoadJob, blob: bytes, header: ChunkHeader, runs: list[PageRun]) -> float:
         """A page object landing whole, whose (decoded) payload is its pages in order: decoded straight into them

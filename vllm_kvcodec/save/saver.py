@@ -93,6 +93,11 @@ class Saver:
         with self._lock:
             return self.max_pending - self._pending
 
+    def idle(self) -> bool:
+        """Nothing reserved, queued or being encoded: spare CPU for work that may wait (upgrades)."""
+        with self._lock:
+            return self._pending == 0 and self._waiting == 0 and not self._futures
+
     def unreserve(self, nbytes: int) -> None:
         """Give back a reservation whose chunk will not be submitted."""
         with self._lock:
