@@ -213,7 +213,7 @@ def codec_names(stats: dict[str, float], kind: str) -> str:
 
 
 def codec_mix(stats: dict[str, float], kind: str) -> str:
-    """Objects per codec, e.g. ``rans 20, splitzip 4``: a mix means some were saved while the saver was behind."""
+    """Chunks (saves) or objects (loads) per codec, e.g. ``rans 20, splitzip 4``: a mix means some were saved while the saver was behind."""
     counts = {k[len("codec_") : -len(f"_{kind}")]: int(v) for k, v in stats.items()
               if k.startswith("codec_") and k.endswith(f"_{kind}") and v}
     return ", ".join(f"{name} {n}" for name, n in sorted(counts.items())) or "-"
@@ -319,7 +319,7 @@ def run(codec: str = "rans", tokens: int = 2048, store: str | None = None, max_n
     t.add_row("TTFT same engine, prefix from vLLM's local prefix cache", f"{result['ttft_local_cache_s'] * 1000:.0f} ms")
     t.add_row("tokens loaded from the store", f"{result['loaded_tokens']}")
     t.add_row("stored / raw bytes (as saved)", f"{result['saved_bytes'] / 1e6:.1f} MB / {result['saved_raw_bytes'] / 1e6:.1f} MB ({ratio:.3f}x)")
-    t.add_row("objects saved per codec", result["saved_codec_mix"])
+    t.add_row("chunks saved per codec", result["saved_codec_mix"])
     t.add_row("codec loaded", result["loaded_codecs"])
     if result["upgraded_objects"]:
         t.add_row("fallback-coded objects upgraded after the load",
