@@ -23,7 +23,7 @@ def test_a_small_run_saves_then_loads_with_vllms_client(tmp_path) -> None:
     # last step is only reported with a next step, and an idle engine takes none (CI saw 0 on a fast host);
     # the store's own count, after the shutdown flush, is the deterministic figure.
     assert by["save"]["counters"]["lookups"] >= 4 and by["save"]["counters"].get("hit_chunks", 0) == 0
-    assert by["save"]["stored_objects"] >= 1
+    assert by["save"]["stored_objects"] >= 1 and by["save"]["stored_ratio"] > 1.3  # rans or splitzip, read back from headers
     assert by["save"]["counters"].get("loaded_tokens", 0) == 0  # an empty store: nothing to load
     # the fresh server loaded it, for every request, without a failure
     assert by["load"]["counters"]["loaded_tokens"] >= 256

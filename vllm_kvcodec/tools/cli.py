@@ -56,6 +56,7 @@ def bench_serve(
     request_rate: str = typer.Option("inf", help="Requests per second ('inf': all at once, saturation)."),
     save_thread_nice: int = typer.Option(0, min=0, max=19, help="The saving servers' save_thread_nice."),
     codec_when_behind: str = typer.Option("splitzip", help="The saving servers' save_codec_when_behind ('none': off)."),
+    upgrade: bool = typer.Option(True, help="upgrade_fallback_chunks: loading servers re-encode fallback-coded objects they load."),
 ) -> None:
     """vLLM's own client (vllm bench serve, prefix_repetition) against vllm serve without the connector, saving, and loading."""
     from vllm_kvcodec.errors import ConfigError
@@ -70,7 +71,7 @@ def bench_serve(
 
     serve.run(output, repeats=repeats, codec=codec, store=store, num_prompts=num_prompts, prefix_len=prefix_len,
               suffix_len=suffix_len, num_prefixes=num_prefixes, output_len=output_len, request_rate=request_rate,
-              save_thread_nice=save_thread_nice, codec_when_behind=behind)
+              save_thread_nice=save_thread_nice, codec_when_behind=behind, upgrade=upgrade)
 
 
 @bench_app.command("ttft")

@@ -58,6 +58,7 @@ def run(
     seed: int = 42,
     save_thread_nice: int = 0,
     codec_when_behind: str | None = "splitzip",
+    upgrade: bool = True,
 ) -> dict[str, Any]:
     from vllm_kvcodec.tools.smollm2 import model_dir
 
@@ -65,7 +66,8 @@ def run(
     model = str(model_dir())
     tmp = Path(tempfile.mkdtemp(prefix="kvcodec-serve-"))
     client = _client_args(model, num_prompts, prefix_len, suffix_len, num_prefixes, output_len, request_rate, seed)
-    connector = {"codec": codec, "save_thread_nice": save_thread_nice, "save_codec_when_behind": codec_when_behind}
+    connector = {"codec": codec, "save_thread_nice": save_thread_nice, "save_codec_when_behind": codec_when_behind,
+                 "upgrade_fallback_chunks": upgrade}
     runs: list[dict[str, Any]] = []
     try:
         for r in range(repeats):
@@ -83,7 +85,7 @@ def run(
         shutil.rmtree(tmp, ignore_errors=True)
     summary = _summary(runs)
     result = {"benchmark": "serve", "machine": machine(), "codec": codec, "save_thread_nice": save_thread_nice,
-              "save_codec_when_behind": codec_when_behind,
+              "save_codec_when_behind": codec_when_behind, "upgrade_fallback_chunks": upgrade,
               "store": store or "file (temporary)",
               "client": {"dataset": "prefix_repetition", "num_prompts": num_prompts, "prefix_len": prefix_len,
                          "suffix_len": suffix_len, "num_prefixes": num_prefixes, "output_len": output_len,
@@ -151,8 +153,8 @@ def _one_run(kind: str, model: str, url: str, connector: dict[str, Any], client:
         server.terminate(120)  # SIGTERM: kvcodec serve's shutdown bound lets queued saves land
     figures.update(kind=kind, server_cpu_s=cpu, cpu_s_per_request=cpu / max(1, figures["completed"]),
                    counters=counters)
-    if kind == "save":
-        figures["stored_objects"] = _stored_objects(url)
+    if kind != "none":  # after a load run too: its idle saver upgrades fallback-coded objects it loaded
+        figures.update(_stored(url))
     return figures
 
 
@@ -197,11 +199,19 @@ def _counters(scrape: dict[tuple[str, frozenset], float]) -> dict[str, float]:
     return out
 
 
-def _stored_objects(url: str) -> int:
+def _stored(url: str) -> dict[str, Any]:
+    """What the store holds: objects, their bytes, and the raw KV bytes their headers say they hold."""
     from storage import open_store
+    from vllm_kvcodec.format import read_header
 
+    objects = stored = raw = 0
     with open_store(url, read_only=True) as store:
-        return sum(1 for _ in store.keys())
+        for key in store.keys():
+            blob = store.get(key)
+            if blob is None:
+                continue
+            objects, stored, raw = objects + 1, stored + len(blob), raw + read_header(blob, verify=False).raw_nbytes
+    return {"stored_objects": objects, "stored_bytes": stored, "stored_ratio": raw / stored if stored else 0.0}
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -232,18 +242,21 @@ def _print(result: dict[str, Any]) -> None:
                      f"{r['cpu_s_per_request']:.3f}",
                      f"{k.get('encode_seconds', 0) / max(1, r['completed']):.3f}" if k else "-",
                      f"{k.get('saved_chunks', 0):.0f}" if k else "-", f"{k.get('saves_behind', 0):.0f}" if k else "-",
-                     str(r.get("stored_objects", "-")), f"{k.get('loaded_tokens', 0):.0f}" if k else "-",
+                     str(r.get("stored_objects", "-")),
+                     f"{r['stored_ratio']:.3f}" if r.get("stored_ratio") else "-",
+                     f"{k.get('upgraded_objects', 0):.0f}" if k else "-", f"{k.get('loaded_tokens', 0):.0f}" if k else "-",
                      f"{sum(v for n, v in k.items() if n.startswith('load_failures')):.0f}" if k else "-"])
     wide_table(f"vllm bench serve, prefix_repetition: {c['num_prefixes']} prefixes x {c['prefix_len']} tokens, "
                f"suffix {c['suffix_len']}, output {c['output_len']}, {c['num_prompts']} prompts at rate "
                f"{c['request_rate']}; codec {result['codec']}, store {result['store']}",
                ["run", "req/s", "TTFT ms", "med ms", "p99 ms", "failed", "CPU-s/req", "enc s/req", "saved", "behind",
-                "objects", "loaded tok", "load fail"], rows)
+                "objects", "ratio", "upgraded", "loaded tok", "load fail"], rows)
     console.print("TTFT: mean; enc s/req: the save threads' encode seconds per request; saved: chunks the connector "
                   "counted saved when the client finished (a worker reports with the engine's steps, so saves landing "
                   "after the last step are missing), behind: of them, encoded while a round of saves waited "
-                  f"(with {result['save_codec_when_behind'] or 'the same codec'}); objects: what the store held after "
-                  "the server stopped (its shutdown flushes queued saves)")
+                  f"(with {result['save_codec_when_behind'] or 'the same codec'}); objects, ratio: what the store held after "
+                  "the server stopped (its shutdown flushes queued saves), raw KV over stored bytes; upgraded: objects "
+                  "the loading server re-encoded with the configured codec after loading them (upgrade_fallback_chunks)")
     for kind, s in result["summary"].items():
         vs = f", throughput {s['throughput_vs_none']:.2f}x none" if "throughput_vs_none" in s else ""
         console.print(f"{kind}: mean of {s['runs']}: {s['request_throughput']:.2f} req/s, TTFT mean "
