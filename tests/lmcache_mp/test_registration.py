@@ -68,3 +68,24 @@ def test_codec_parameters_reach_the_codec() -> None:
 def test_bad_adapter_settings_are_one_line_errors(params: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         KVCodecL2AdapterConfig.from_dict(params)
+
+
+def test_example_server_configs_parse_and_build_their_serdes() -> None:
+    """examples/lmcache_mp_kvcodec.sh: every --l2-adapter parses with LMCache's own parser and its serde builds."""
+    import argparse
+    import re
+    from pathlib import Path
+
+    from lmcache.v1.distributed.config import add_storage_manager_args
+    from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
+
+    script = (Path(__file__).parents[2] / "examples" / "lmcache_mp_kvcodec.sh").read_text()
+    specs = re.findall(r"--l2-adapter '([^']+)'", script)
+    assert len(specs) == 3
+    parser = argparse.ArgumentParser()
+    add_storage_manager_args(parser)
+    for spec in specs:
+        config = parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", spec]))
+        (adapter,) = config.adapters
+        assert adapter.serde_config is not None and adapter.serde_config.type in SERDES
+        create_serde_processor(adapter.serde_config).close()
