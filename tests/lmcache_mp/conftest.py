@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("lmcache")
 
 from tests.lmcache_mp.harness import mp_layout  # noqa: E402
+from tests.support.redis_server import redis_cluster_server, redis_cluster_url  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Our plug-in L2 adapter over a real Redis, with and without a kvcodec serde, through LMCache's StorageManager.
+"""Our plug-in L2 adapter over a real Redis (and Redis Cluster, Mooncake Store), with and without a kvcodec serde, through LMCache's StorageManager.
 
 LMCache builds the adapter from ``{"type": "plugin", "module_path": "vllm_kvcodec.lmcache_mp", ...}``
 (importing the package is also what registers the serdes). Exact-size serdes store
@@ -122,6 +122,19 @@ def test_codec_change_keeps_reading_old_objects(redis_url: str, mp_chunks: list[
     with storage_manager(plugin_adapter(redis_url, {"type": "kvcodec-zstd"})) as sm:
         store(sm, keys, mp_chunks[:2])
     with storage_manager(plugin_adapter(redis_url, {"type": "kvcodec-rans"})) as sm:
+        got = fetch(sm, keys, mp_chunks[0])
+        assert all(g is not None and same_bits(g, want) for g, want in zip(got, mp_chunks[:2], strict=True))
+        assert l1_drained(sm)
+
+
+@pytest.mark.parametrize("backend", ["redis-cluster", pytest.param("mooncake", marks=pytest.mark.mooncake)])
+def test_other_stores_by_url(request: pytest.FixtureRequest, mp_chunks: list[torch.Tensor], backend: str) -> None:
+    """The same adapter over a Redis Cluster and a Mooncake Store pool, by URL alone: stored, evicted, read bit-exact."""
+    url = request.getfixturevalue("redis_cluster_url" if backend == "redis-cluster" else "mooncake_url")
+    keys = keys_for(2, tag=7)
+    with storage_manager(plugin_adapter(url, {"type": "kvcodec-rans"})) as sm:
+        store(sm, keys, mp_chunks[:2])
+        evict_l1(sm)
         got = fetch(sm, keys, mp_chunks[0])
         assert all(g is not None and same_bits(g, want) for g, want in zip(got, mp_chunks[:2], strict=True))
         assert l1_drained(sm)
