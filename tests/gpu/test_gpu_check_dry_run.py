@@ -166,3 +166,44 @@ def test_budget_ends_a_running_section_and_writes_the_report(check_data: Path, d
     assert later and all(statuses[k].startswith("skipped") for k in later), statuses
     assert set(SECTIONS) <= set(statuses)
     assert rep["elapsed_s"] < 8 + 5
+
+
+# ---- the carry (benchmarks/gpu_bundle.py): what the device command and unpack do, without downloading here ----
+def _bundle_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bundle", ROOT / "benchmarks" / "gpu_bundle.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_device_command_fits_and_runs_the_check_under_its_budget() -> None:
+    gb = _bundle_module()
+    cmd = gb.device_command()
+    assert len(cmd) <= gb.COMMAND_LIMIT
+    assert f"--budget-s {gb.CHECK_BUDGET_S}" in cmd and gb.CHECK_BUDGET_S < 360 and gb.RUN_TIMEOUT_S <= 600
+    assert '"$OUT/preflight.txt"' in cmd and f"PYTHONPATH={gb.SITE}" in cmd
+    proc = subprocess.run(["bash", "-n", "-c", cmd], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    # what is carried is ignored by git (else it would travel as tracked files and could be committed)
+    ignored = subprocess.run(["git", "check-ignore", *gb.CARRY], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert ignored.stdout.split() == gb.CARRY
+
+
+def test_unpack_extracts_the_common_zips_and_this_pythons_only(tmp_path: Path) -> None:
+    import zipfile
+
+    wheels = tmp_path / "bundle" / "wheels"
+    wheels.mkdir(parents=True)
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    for name, member in (("pkg-common", "pkg/__init__.py"), (f"pkg-{tag}", f"pkg/_ext_{tag}.py"),
+                         ("pkg-cp39", "pkg/_ext_cp39.py"), (f"other-{tag}", "other.py")):
+        with zipfile.ZipFile(wheels / f"{name}.zip", "w") as z:
+            z.writestr(member, "VALUE = 1\n")
+    site = tmp_path / "site"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_bundle.py"), "unpack", "--to", str(site),
+                           "--bundle", str(tmp_path / "bundle")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    got = sorted(str(p.relative_to(site)) for p in site.rglob("*.py"))
+    assert got == ["other.py", "pkg/__init__.py", f"pkg/_ext_{tag}.py"]
