@@ -45,7 +45,9 @@ valid checksum but invalid escapes rejected by the device flags), nvcodec
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -105,6 +107,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 T0 = time.perf_counter()
+faulthandler.enable()  # a crash inside a driver library leaves its stack in the log; the JSON so far is on disk
 REPORT: dict = {"dry_run": ARGS.dry_run, "sections": {}, "targets": {}}
 
 
@@ -278,10 +281,15 @@ def sec_env(d: dict) -> None:
         d["sms"] = p.multi_processor_count
         d["memory_gb"] = round(p.total_memory / 1e9, 1)
         d["cuda"] = torch.version.cuda
-    for mod in ("numba", "xxhash", "cupy", "PyNvVideoCodec", "av"):
+    for mod in ("numba", "xxhash", "cupy", "zstandard"):
         try:
             m = __import__(mod)
             d[mod] = getattr(m, "__version__", "present")
+        except Exception as exc:  # noqa: BLE001
+            d[mod] = f"absent ({type(exc).__name__}: {exc})"
+    for mod in ("PyNvVideoCodec", "av"):  # located, not imported: PyNvVideoCodec's import loads the NVENC library
+        try:
+            d[mod] = "installed" if importlib.util.find_spec(mod) is not None else "absent"
         except Exception as exc:  # noqa: BLE001
             d[mod] = f"absent ({type(exc).__name__}: {exc})"
     from vllm_kvcodec.gpu import splitzip_triton as g
@@ -746,7 +754,8 @@ def _libav_stand_in(nvcodec, payload, shape, want) -> str:
 
 
 #: In the order they run; each is isolated (its failure is recorded, the next one runs). Whatever loads a
-#: driver library that may be missing (the NVENC probe) runs after every figure that does not need it.
+#: driver library that may be missing (the NVENC probe) runs after every figure that does not need it:
+#: new NVDEC / video / interference sections go before ("nvenc", sec_nvenc). Each is ``fn(data: dict)``.
 SECTIONS = [
     ("env", sec_env),
     ("selftest", sec_selftest),

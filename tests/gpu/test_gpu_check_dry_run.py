@@ -149,6 +149,8 @@ def test_missing_video_library_is_recorded_and_the_check_goes_on(report: dict) -
     assert nvenc["available"] is False and "absent on the device image" in nvenc["reason"]
     order = list(report["sections"])
     assert order.index("nvenc") > order.index("nvcodec")  # the encoder library is loaded after every decode figure
+    env = report["sections"]["env"]  # located, never imported before the NVDEC section
+    assert env["PyNvVideoCodec"].startswith("absent") and env["zstandard"].startswith("absent")
 
 
 def test_budget_ends_a_running_section_and_writes_the_report(check_data: Path, device_env: dict[str, str],
