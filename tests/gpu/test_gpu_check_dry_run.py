@@ -44,8 +44,8 @@ class _AbsentOnDevice:
 sys.meta_path.insert(0, _AbsentOnDevice())
 '''
 
-#: The sections the check has today; new ones (the video sections) are held to "ok" as well.
-SECTIONS = ("env", "selftest", "realkv", "throughput", "scatter", "gpu_fetcher", "nvcodec", "nvenc")
+#: Sections the check must have; any others (the video sections) are held to "ok" as well.
+SECTIONS = ("env", "selftest", "realkv", "throughput", "scatter", "gpu_fetcher", "nvcodec")
 
 
 def _device_like_env(tmp: Path) -> dict[str, str]:
@@ -145,10 +145,12 @@ def test_missing_video_library_is_recorded_and_the_check_goes_on(report: dict) -
     nvdec = report["sections"]["nvcodec"]["nvdec"]
     assert nvdec["available"] is False and "absent on the device image" in nvdec["reason"]
     assert report["sections"]["nvcodec"]["PyNvVideoCodec"] == "absent"
-    nvenc = report["sections"]["nvenc"]["nvenc"]
+    # The NVENC probe (PyNvVideoCodec's import loads the encoder library) is in the last section that runs,
+    # after every decode figure; whichever section holds it.
+    with_probe = [k for k, v in report["sections"].items() if "nvenc" in v]
+    assert with_probe == [list(report["sections"])[-1]], with_probe
+    nvenc = report["sections"][with_probe[0]]["nvenc"]
     assert nvenc["available"] is False and "absent on the device image" in nvenc["reason"]
-    order = list(report["sections"])
-    assert order.index("nvenc") > order.index("nvcodec")  # the encoder library is loaded after every decode figure
     env = report["sections"]["env"]  # located, never imported before the NVDEC section
     assert env["PyNvVideoCodec"].startswith("absent") and env["zstandard"].startswith("absent")
 
