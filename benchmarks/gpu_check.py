@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The GPU device check: Triton SplitZip bit-exactness and GB/s, paged scatter GB/s, NVDEC/NVENC.
 
-One prepared run for one GPU (sized for an H200 in well under 8 minutes):
+One prepared run for one GPU (inside 6 minutes on an H200, its budget enforced):
 
     python benchmarks/gpu_check.py                 # on the GPU machine, from the repo root
     python benchmarks/gpu_check.py --dry-run       # here: Triton interpreter on the CPU, tiny sizes
