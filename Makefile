@@ -15,7 +15,7 @@ export VLLM_CPU_OMP_THREADS_BIND ?= nobind
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test bench clean redis-server libibverbs
+.PHONY: install demo test bench clean redis-server libibverbs gpu-bundle
 
 install: $(STAMP)
 
@@ -55,5 +55,10 @@ test: install redis-server libibverbs
 bench: install
 	$(PY) -m vllm_kvcodec.tools.bench codecs
 
+# The GPU device check's carry: real-KV data and the packages the device image lacks (docs/gpu.md,
+# "How to run the device check"); prints the exact device run(...) call.
+gpu-bundle: install
+	$(PY) benchmarks/gpu_bundle.py build
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .gpu-bundle

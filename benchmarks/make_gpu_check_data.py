@@ -10,7 +10,8 @@ The file is generated: keep it out of git. It holds (``torch.load(...,
 weights_only=True)``):
 
 * ``kv``: SmolLM2-135M K/V on 1024 tokens, ``real_kv(1024)``: bf16 ``[30, 2, 1024, 3, 64]`` (23.6 MB);
-* ``splitzip``: for the whole tensor and its four 256-token chunks, the SHA-256
+* ``splitzip``: for the whole tensor, its four 256-token chunks and ``small``
+  (layers 0-1, tokens 0-31: the dry run's input), the SHA-256
   and length of the CPU codec's payload and of ``encode_chunk(chunk, "splitzip")``
   (the device compares its own bytes against these; no numba needed there);
 * ``video``: ``encode_chunk(kv[:, :, :256], "video")`` (HEVC, x265 lossless) as a
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         splitzip[f"chunk{i}"] = {"payload": _digest(codec.encode(bits(chunk), DType.BFLOAT16)),
                                  "chunk": _digest(encode_chunk(chunk, "splitzip")),
                                  "tokens": [256 * i, 256 * (i + 1)]}
+    small = kv[:2, :, :32].contiguous()  # the dry run's slice: the Triton interpreter takes minutes per full chunk
+    splitzip["small"] = {"payload": _digest(codec.encode(bits(small), DType.BFLOAT16)),
+                         "chunk": _digest(encode_chunk(small, "splitzip")), "tokens": [0, 32], "layers": [0, 2]}
     data = {"kv": kv, "splitzip": splitzip, "meta": {"source": "vllm_kvcodec.tools.smollm2.real_kv", "tokens": args.tokens}}
     try:
         from vllm_kvcodec.format import read_header

@@ -102,6 +102,20 @@ def test_nothing_set_in_this_process() -> None:
     assert os.environ.get("TRITON_INTERPRET") == _ENV_AT_IMPORT
 
 
+def test_cuda_without_index_is_the_current_device() -> None:
+    """``device="cuda"`` and a tensor on ``cuda:0`` are one device (the check's decode_into_out case failed on that)."""
+    from vllm_kvcodec.gpu.launch import resolve_device, same_device
+
+    current = lambda: 0  # noqa: E731 - stands for torch.cuda.current_device() on a machine without CUDA
+    assert resolve_device("cuda", current) == torch.device("cuda:0")
+    assert same_device("cuda", torch.device("cuda", 0), current)
+    assert not same_device("cuda", "cuda:1", current)
+    assert same_device("cuda:1", torch.device("cuda", 1), current)
+    assert same_device("cpu", torch.device("cpu"))
+    assert not same_device("cpu", "cuda:0", current)
+    assert resolve_device(torch.device("cpu")) == torch.device("cpu")  # never asks CUDA
+
+
 def test_package_import_is_light() -> None:
     """Importing vllm_kvcodec.gpu (and nvcodec) pulls in neither triton nor PyNvVideoCodec."""
     code = (

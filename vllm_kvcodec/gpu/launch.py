@@ -9,6 +9,7 @@ is a property of the process, not of a call: :func:`interpreted` reports it.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,6 +64,24 @@ def can_run_on(device: torch.device | str) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_available()
     return device.type == "cpu" and interpreted()
+
+
+def resolve_device(device: torch.device | str, current_cuda: Callable[[], int] | None = None) -> torch.device:
+    """``device`` with its index filled in: ``cuda`` means the current CUDA device (``current_cuda()``).
+
+    A tensor's ``.device`` always carries an index (``cuda:0``) while a caller
+    may say ``"cuda"``; ``torch.device("cuda") != torch.device("cuda:0")``, so
+    devices are compared only after this.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", (current_cuda or torch.cuda.current_device)())
+    return device
+
+
+def same_device(a: torch.device | str, b: torch.device | str, current_cuda: Callable[[], int] | None = None) -> bool:
+    """Whether ``a`` and ``b`` name one device (``cuda`` and ``cuda:N`` alike when N is the current one)."""
+    return resolve_device(a, current_cuda) == resolve_device(b, current_cuda)
 
 
 def cdiv(a: int, b: int) -> int:

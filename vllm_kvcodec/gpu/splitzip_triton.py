@@ -79,7 +79,7 @@ import triton
 import triton.language as tl
 
 from vllm_kvcodec.errors import CodecError, ConfigError, UnsupportedDTypeError
-from vllm_kvcodec.gpu.launch import Launcher, can_run_on, cdiv, interpreted
+from vllm_kvcodec.gpu.launch import Launcher, can_run_on, cdiv, interpreted, resolve_device
 
 CODEBOOK_SIZE = 16
 HEADER_BYTES = 20  # 16-byte codebook + u32 escape count
@@ -502,7 +502,7 @@ def decode_splitzip_gpu_async(
     if isinstance(payload, torch.Tensor):
         if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
             raise ConfigError("a device payload must be a contiguous 1-D uint8 tensor")
-        dev = payload.device if device is None else torch.device(device)
+        dev = payload.device if device is None else resolve_device(device)
         if dev != payload.device:
             raise ConfigError(f"payload is on {payload.device}, decode asked for {dev}")
         m = _escape_count_from_size(payload.numel(), n)
@@ -516,7 +516,7 @@ def decode_splitzip_gpu_async(
         stored = struct.unpack_from("<I", view, CODEBOOK_SIZE)[0]
         if stored != m:
             raise CodecError(f"splitzip escape count {stored} disagrees with the payload size ({m})")
-        dev = torch.device(device) if device is not None else (out.device if out is not None else torch.device("cuda"))
+        dev = resolve_device(device if device is not None else (out.device if out is not None else "cuda"))
         data = _aligned_empty(len(view), sm_at, dev)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: it is only read

@@ -10,14 +10,13 @@ copy into pinned memory, and a small thread hands it to the Saver once the copy
 has landed (encode and put stay as on the CPU). The engine's stream then waits
 for the gathers *on the device*, so vLLM cannot reuse those blocks before they
 are read: the engine thread never synchronises with the GPU. Budget, admission
-and the end-of-step rules are :class:`~vllm_kvcodec.save.gather.SaveGather`'s.
+and the end-of-step rules are :class:`~vllm_kvcodec.save.gather_base.SaveGather`'s.
 """
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 
@@ -26,13 +25,13 @@ from vllm_kvcodec.gpu.side_stream import SideStream
 from vllm_kvcodec.outcomes import SaveOutcome
 from vllm_kvcodec.paged import PagedLayout
 from vllm_kvcodec.paged.objects import ObjectLayout, PageObjects
-from vllm_kvcodec.save.gather import SaveGather, SaveSpecLike
+from vllm_kvcodec.save.gather_base import SaveGather, SaveSink, SaveSpecLike
 
 logger = logging.getLogger("vllm_kvcodec")
 
 
 class CudaSaveGather(SaveGather):
-    def __init__(self, caches: list[torch.Tensor], layouts: list[PagedLayout], saver: Any,
+    def __init__(self, caches: list[torch.Tensor], layouts: list[PagedLayout], saver: SaveSink,
                  cache_groups: list[int] | None = None, objects: ObjectLayout | None = None) -> None:
         super().__init__(caches, layouts, saver, cache_groups, objects)
         self.side = SideStream(caches[0].device)

@@ -25,100 +25,21 @@ gathered from that group's slots of the chunk (``spec.group_slots``).
 
 from __future__ import annotations
 
-import abc
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_kvcodec.paged.objects import CanonicalObjects, ObjectLayout
+from vllm_kvcodec.paged.objects import ObjectLayout
+from vllm_kvcodec.save.gather_base import SaveGather, SaveSink, SaveSpecLike, chunk_nbytes
 
 if TYPE_CHECKING:
     from vllm_kvcodec.paged import PagedLayout
-
-#: ``(req_id, chunk_hash, group_slots)`` of one chunk to save (a :class:`~vllm_kvcodec.connector.metadata.SaveSpec`).
-SaveSpecLike = Any
-
-
-def chunk_nbytes(layouts: Sequence["PagedLayout"], tokens: int) -> int:
-    """Raw bytes one worker gathers for ``tokens`` of every layer (what the save budget counts)."""
-    return len(layouts) * tokens * layouts[0].token_nbytes()
-
-
-class SaveGather(abc.ABC):
-    def __init__(self, caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: Any,
-                 cache_groups: list[int] | None = None, objects: ObjectLayout | None = None) -> None:
-        self.caches, self.layouts, self.saver = caches, layouts, saver
-        self.cache_groups = cache_groups or [0] * len(caches)  # the vLLM KV cache group of each layer
-        self.objects = objects if objects is not None else CanonicalObjects()  # what one stored object holds
-        self._step: Sequence[SaveSpecLike] | None = None
-        self._admitted: dict[int, int] = {}  # save index -> reserved bytes
-        self._layers_done: dict[int, int] = {}
-
-    def chunk_nbytes(self, tokens: int) -> int:
-        return chunk_nbytes(self.layouts, tokens)
-
-    def chunk_shape(self, tokens: int) -> tuple[int, ...]:
-        """All layers of one chunk, as the object layout stores them (split into layer groups by the Saver)."""
-        return self.objects.object_shape(len(self.caches), self.layouts[0], self.caches[0], tokens)
-
-    # ---- per layer (save_kv_layer) --------------------------------------------------
-    def gather_layer(self, layer: int, kv_layer: torch.Tensor, saves: Sequence[SaveSpecLike]) -> None:
-        """Copy this layer's slots of every admitted chunk of the step."""
-        if self._step is not saves:
-            self._begin(saves)
-        group = self.cache_groups[layer]
-        for i in self._admitted:
-            self._copy(i, layer, kv_layer, saves[i].group_slots[group])
-            self._layers_done[i] = self._layers_done.get(i, 0) + 1
-
-    def _begin(self, saves: Sequence[SaveSpecLike]) -> None:
-        self._step, self._admitted, self._layers_done = saves, {}, {}
-        for i, spec in enumerate(saves):
-            nbytes = self.chunk_nbytes(len(spec.group_slots[0]))
-            if self.saver.reserve(nbytes):
-                self._admitted[i] = nbytes
-
-    # ---- end of step (wait_for_save) ------------------------------------------------
-    def end_step(self, saves: Sequence[SaveSpecLike], good: Callable[[SaveSpecLike], bool]) -> list[tuple[SaveSpecLike, str]]:
-        """Hand complete chunks whose KV is ``good`` to the Saver; return the others with why they were not."""
-        if self._step is not saves:
-            self._begin(saves)  # a step whose forward saved no layer (nothing was gathered)
-        left: list[tuple[SaveSpecLike, str]] = []
-        for i, spec in enumerate(saves):
-            nbytes = self._admitted.get(i)
-            complete = nbytes is not None and self._layers_done.get(i, 0) == len(self.caches)
-            if complete and good(spec):
-                self._hand_over(i, spec, nbytes)
-                continue
-            if nbytes is not None:
-                self.saver.unreserve(nbytes)
-            reason = "no room" if nbytes is None else ("incomplete" if not complete else "load failed")
-            left.append((spec, reason))
-        self._finish_step()
-        self._step, self._admitted, self._layers_done = None, {}, {}
-        return left
-
-    @abc.abstractmethod
-    def _copy(self, index: int, layer: int, kv_layer: torch.Tensor, slots: list[int]) -> None: ...
-
-    @abc.abstractmethod
-    def _hand_over(self, index: int, spec: SaveSpecLike, nbytes: int) -> None: ...
-
-    def _finish_step(self) -> None:
-        """Release per-step buffers (and, on a GPU, order the engine's stream after the gathers)."""
-
-    def flush(self) -> None:
-        """Wait until every handed-over chunk is on the Saver's queue."""
-
-    def shutdown(self) -> None:
-        """Stop background hand-off threads, if any."""
 
 
 class CpuSaveGather(SaveGather):
     """Gather on the engine's thread with each layer's page layout, into one host buffer per chunk."""
 
-    def __init__(self, caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: Any,
+    def __init__(self, caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: SaveSink,
                  cache_groups: list[int] | None = None, objects: ObjectLayout | None = None) -> None:
         super().__init__(caches, layouts, saver, cache_groups, objects)
         self._buffers: dict[int, torch.Tensor] = {}
@@ -136,11 +57,16 @@ class CpuSaveGather(SaveGather):
         self._buffers.clear()
 
 
-def save_gather_for(caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: Any,
+def save_gather_for(caches: list[torch.Tensor], layouts: list["PagedLayout"], saver: SaveSink,
                     cache_groups: list[int] | None = None, objects: ObjectLayout | None = None) -> SaveGather:
     """The gather for where vLLM keeps the KV caches: a CUDA device, or host memory."""
     if caches[0].is_cuda:
+        # Imported here, not at the top: it loads Triton, which a CPU engine never needs. No circle either
+        # way: both gathers import their interface from gather_base.
         from vllm_kvcodec.save.cuda_gather import CudaSaveGather
 
         return CudaSaveGather(caches, layouts, saver, cache_groups, objects)
     return CpuSaveGather(caches, layouts, saver, cache_groups, objects)
+
+
+__all__ = ["CpuSaveGather", "SaveGather", "SaveSink", "SaveSpecLike", "chunk_nbytes", "save_gather_for"]

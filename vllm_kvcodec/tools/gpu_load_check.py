@@ -7,7 +7,10 @@ first tokens are already cached (a partial first block), several codecs (the
 bf16 ``splitzip`` decodes on the device, the others on the CPU), and the
 physical stride orders vLLM 0.33 uses for the packed K‖V layout. The expected
 caches come from :class:`~vllm_kvcodec.paged.PackedKVLayout` (torch indexing
-on the CPU: what the CPU fetcher writes). Imports no vLLM.
+on the CPU: what the CPU fetcher writes). Imports no vLLM. Counters are the
+product's :class:`~vllm_kvcodec.stats.ConnectorStats` (no stand-in: a
+stand-in that lacked ``sample()`` once killed the fetcher's pool task on the
+device and left ``wait_layer`` to its deadline).
 """
 
 from __future__ import annotations
@@ -56,17 +59,6 @@ class Spec:
     req_id: str
     chunks: list[Chunk]
     is_async: bool = False
-
-
-class Counters:
-    """Duck-types :class:`vllm_kvcodec.connector.stats.ConnectorStats` (which imports vLLM)."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, float] = {}
-
-    def add(self, **values: float) -> None:
-        for k, v in values.items():
-            self.values[k] = self.values.get(k, 0) + v
 
 
 @dataclasses.dataclass
@@ -168,7 +160,7 @@ def caches_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
     return len(got) == len(want) and all(torch.equal(bits(g.cpu()), bits(w)) for g, w in zip(got, want))
 
 
-__all__ = ["ORDERS", "Chunk", "Counters", "Scenario", "Spec", "bits", "build", "caches_equal"]
+__all__ = ["ORDERS", "Chunk", "Scenario", "Spec", "bits", "build", "caches_equal"]
 
 
 def swap_escape_positions(blob: bytes, key: str) -> bytes:
