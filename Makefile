@@ -15,7 +15,16 @@ export VLLM_CPU_OMP_THREADS_BIND ?= nobind
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test bench clean redis-server libibverbs gpu-bundle
+# The official vLLM wheel (pyproject's `vllm-latest` extra) in its own environment: a CUDA build of about 9.5 GB.
+VENV_LATEST ?= .venv-vllm-latest
+PY_LATEST   := $(VENV_LATEST)/bin/python
+STAMP_LATEST := $(VENV_LATEST)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# What needs vLLM's scheduler and connector API but no forward pass: these run under both vLLM builds.
+VLLM_API_TESTS ?= tests/connector/test_scheduler_lifecycle.py tests/connector/test_scheduler_hma.py \
+  tests/connector/test_scheduler_prompt_tails.py tests/connector/test_config.py tests/connector/test_plugin.py \
+  tests/connector/test_prom_metrics.py
+
+.PHONY: install demo test test-vllm-latest bench clean redis-server libibverbs gpu-bundle
 
 install: $(STAMP)
 
@@ -52,6 +61,20 @@ demo: install
 test: install redis-server libibverbs
 	$(PY) -m pytest -q -rs
 
+$(STAMP_LATEST): pyproject.toml
+	test -x $(PY_LATEST) || $(PYTHON) -m venv $(VENV_LATEST)
+	@echo "== installing the official vLLM wheel (pyproject's vllm-latest extra, a CUDA build) into $(VENV_LATEST)"
+	$(PY_LATEST) -m pip install --progress-bar off -e '.[vllm-latest,redis,test]'
+	rm -f $(VENV_LATEST)/.installed-*
+	touch $@
+
+# vLLM's CUDA wheel on a machine without a GPU has no platform; VLLM_TARGET_DEVICE=cpu is vLLM's own switch for
+# CPU-only CI jobs that reuse an accelerator wheel. Its CPU kernels are not in that wheel, so the scheduler
+# harness writes KV through the page layouts there (tests/paged checks those against vllm-cpu's kernels).
+test-vllm-latest: $(STAMP_LATEST) redis-server
+	@echo "== the scheduler-level suites under $$($(PY_LATEST) -c 'import vllm; print("vllm", vllm.__version__)')"
+	VLLM_TARGET_DEVICE=cpu $(PY_LATEST) -m pytest -q -rs $(VLLM_API_TESTS)
+
 bench: install
 	$(PY) -m vllm_kvcodec.tools.bench codecs
 
@@ -61,4 +84,4 @@ gpu-bundle: install
 	$(PY) benchmarks/gpu_bundle.py build
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .gpu-bundle
+	rm -rf $(VENV) $(VENV_LATEST) build *.egg-info .pytest_cache .gpu-bundle
