@@ -259,3 +259,43 @@ def test_the_medium_is_configurable(tmp_path, store, kv_events_on) -> None:
     (event,) = rec.of("BlockStored", "STORAGE")
     check_stored(event, prompt(40), 0, 2)
     e.shutdown()
+
+
+def test_async_scheduling_announces_the_same_chunks(tmp_path, store, monkeypatch) -> None:
+    """vLLM's async scheduling (outputs one step late): the same events, nothing lost or doubled."""
+    turn_on_vllm_kv_events(monkeypatch)
+    import vllm.v1.core.sched.async_scheduler as async_sched
+    import vllm.v1.core.sched.scheduler as sched
+
+    class AsyncSchedulerWithKVEvents(async_sched.AsyncScheduler, sched.Scheduler):  # the patched Scheduler's __init__
+        pass
+
+    monkeypatch.setattr(async_sched, "AsyncScheduler", AsyncSchedulerWithKVEvents)
+    p = prompt(100)
+    e, rec = make(tmp_path, store, async_scheduling=True)
+    e.add("a", p, max_tokens=3)
+    e.run()
+    settle(e)
+    e.deliver()
+    chain = vllm_chain(p)
+    assert sorted(h for ev in rec.of("BlockStored") for h in ev.block_hashes) == sorted(chain[:6])
+    e.assert_empty()
+    e.shutdown()
+
+
+def test_each_kv_cache_group_gets_its_own_event(tmp_path, store, kv_events_on) -> None:
+    """A hybrid model (a full-attention layer and a sliding-window one): one BlockStored per group and chunk."""
+    p = prompt(70)
+    e, rec = make(tmp_path, store, windows=[None, 64])
+    e.add("a", p, max_tokens=1)
+    e.run()
+    settle(e)
+    stored = rec.of("BlockStored")
+    assert len(stored) == 4
+    chain = vllm_chain(p)
+    for group in (0, 1):
+        for c in (0, 1):
+            (event,) = [ev for ev in stored if ev.group_idx == group and ev.block_hashes == chain[2 * c : 2 * c + 2]]
+            assert event.token_ids == p[32 * c : 32 * c + 32] and event.block_size == BLOCK
+    e.assert_empty()
+    e.shutdown()
