@@ -144,9 +144,9 @@ class StoreEvents:
         """
         if not self.enabled:
             return
-        objects = {}
+        objects, positions = {}, {h: i for i, h in enumerate(chunk_hashes)}
         for c in chunks:
-            index = tail_index if c.object_tokens is not None else _position(chunk_hashes, c.chunk_hash)
+            index = tail_index if c.object_tokens is not None else positions.get(c.chunk_hash)
             if index is not None:
                 objects[c.chunk_hash] = self._blocks(request, index * chunk_size, c.object_tokens or chunk_size,
                                                      with_tokens=False)
@@ -196,13 +196,6 @@ def _extra_keys(request: "Request", lo: int, hi: int, block_size: int) -> list[t
         key, mm_index = generate_block_hash_extra_keys(request, b * block_size, (b + 1) * block_size, mm_index)
         keys.append(key)
     return to_event_extra_keys(keys) if any(k is not None for k in keys) else None
-
-
-def _position(chunk_hashes: Sequence[str], chunk_hash: str) -> int | None:
-    try:
-        return chunk_hashes.index(chunk_hash)
-    except ValueError:
-        return None
 
 
 def _bounded_put(table: dict[str, Any], key: str, value: Any) -> None:
