@@ -35,6 +35,7 @@ from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.identity import compute_identity, model_identity
 from vllm_kvcodec.keys import Namespace
+from vllm_kvcodec.connector.kv_events import store_events_for
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
 from vllm_kvcodec.connector.scheduler_half import SchedulerHalf
 from vllm_kvcodec.connector.transfer_stats import KVCodecTransferStats
@@ -43,6 +44,9 @@ from vllm_kvcodec.stats import summarize
 from vllm_kvcodec.connector.worker_half import WorkerHalf
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.config.kv_transfer import KVTransferConfig
@@ -84,6 +88,8 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             apply_load_failure_policy(transfer, self.config)  # vLLM reads it right after creating this connector
             self.scheduler = SchedulerHalf(self.config, namespace, len(groups), namespace.tp_size, cache_groups)
+            self.scheduler.events = store_events_for(vllm_config, self.config, kv_cache_config, cache_groups.block_sizes,
+                                                     namespace.tp_size, self.scheduler.stats)
         else:
             self.worker = WorkerHalf(vllm_config, self.config, namespace, groups, _tp_rank(), cache_groups)
         self.created = next(_CREATED)
@@ -187,6 +193,11 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         self._s.update_connector_output(connector_output)
+
+    def take_events(self) -> "Iterable[KVCacheEvent]":
+        """The store's KV cache events since the last step (BlockStored / BlockRemoved, see kv_events.py):
+        vLLM's scheduler publishes them with its own when --kv-events-config enables them."""
+        return self.scheduler.events.take() if self.scheduler is not None else ()
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         self._s.adopt_handshake(metadata)  # before the first request: keys of fp8 caches need the scales

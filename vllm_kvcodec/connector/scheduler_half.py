@@ -47,6 +47,7 @@ from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.identity import PromptIdentity, prompt_identity
 from vllm_kvcodec.keys import Namespace, chunk_object_keys, extend_chunk_hashes, tail_hash, tail_position
+from vllm_kvcodec.connector.kv_events import StoreEvents
 from vllm_kvcodec.connector.load_ledger import LoadLedger
 from vllm_kvcodec.connector.metadata import ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec, SaveOutcome, SaveSpec
 from vllm_kvcodec.paged.slots import slots_for_tokens
@@ -116,6 +117,7 @@ class SchedulerHalf:
         self.stats = ConnectorStats()
         self.ledger = LoadLedger(inflight_ttl_s=config.load_timeout_s + INFLIGHT_SLACK_S)
         self.claims = SaveClaims()
+        self.events = StoreEvents.off()  # the facade turns them on when vLLM publishes KV events
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
         self._requests: dict[str, _Tracked] = {}
         self._awaiting_room: dict[str, None] = {}  # requests with saves dropped for want of queue room, oldest first
@@ -262,6 +264,7 @@ class SchedulerHalf:
         if chunks and chunks[-1].object_tokens is not None:  # a tail: also busy under its position (see _reads_inflight)
             busy.append(tail_position(self.namespace, tracked.hashes[: tracked.tail.index], tracked.identity))
         self.ledger.start(request.request_id, busy, first_tokens, tracked.block_ids)
+        self.events.loading(request, chunks, tracked.hashes, tracked.tail.index if tracked.tail else None, self.chunk)
 
     def _chunk_loads(self, tracked: _Tracked, start: int, end: int) -> list[ChunkLoad]:
         """Per chunk of ``[start, end)``, each group's allocated blocks there (a window group's window only)."""
@@ -365,6 +368,7 @@ class SchedulerHalf:
 
     def _save_spec(self, tracked: _Tracked, chunk_hash: str, first: int, tokens: int) -> SaveSpec:
         slots = [slots_for_tokens(table, bs, first, first + tokens).tolist() for table, bs in zip(tracked.block_ids, self.block_sizes)]
+        self.events.saving(tracked.request, chunk_hash, first, tokens)
         return SaveSpec(tracked.request.request_id, chunk_hash, slots, tracked.failures_seen)
 
     def _plan_tail(self, tracked: _Tracked) -> list[SaveSpec]:
@@ -425,6 +429,7 @@ class SchedulerHalf:
 
     def _load_settled(self, req_id: str, outcome: LoadOutcome) -> None:
         load = self.ledger.settle(req_id)
+        self.events.load_settled(req_id, outcome)
         if not outcome.failed:
             return
         self.ledger.mark_failed(outcome.failed)
@@ -457,6 +462,7 @@ class SchedulerHalf:
             self.stats.add(blocks_evicted_after_load_failure=len(blocks))
 
     def _save_settled(self, save: SaveOutcome) -> None:
+        self.events.save_settled(save)
         waiters = self._waiters.pop(save.chunk_hash, set())
         if save.landed:
             self.ledger.replaced(save.chunk_hash)
