@@ -21,8 +21,10 @@ joining, the exponent checksum) is tested on the CPU with libav standing in
 for NVDEC (tests/gpu/test_gpu_nvcodec.py), and the session code against a
 stand-in module offering only 2.0.4's calls.
 
-NVENC: H100/H200/A100 have no NVENC; :func:`nvenc_available` only probes.
-Encoding stays on the CPU (x265), see docs/codec-video.md.
+NVENC: H100/H200/A100 have none. Where a GPU has it (L4, L40S, RTX) the
+``video`` codec's ``encoder="auto"`` encodes with :func:`nvenc_encode_pictures`
+(lossless HEVC 4:4:4, one IDR per picture: the same layout, decoded by
+libav and NVDEC alike), else with x265 on the CPU; see docs/codec-video.md.
 """
 
 from __future__ import annotations
@@ -328,28 +330,55 @@ def decode_video_chunk_nvdec(
 # --------------------------------------------------------------------------------------
 
 
-def nvenc_encode_planes(planes: np.ndarray, **options: Any) -> bytes:
-    """Lossless HEVC 4:4:4 of ``[frames, 3, H, W]`` uint8 planes with NVENC (host input).
+#: NVENC settings for the ``video`` layout: lossless HEVC 4:4:4, every picture an IDR, no B-frames. Keys both
+#: PyNvVideoCodec 2.0.4 and 2.2.4 accept (CreateEncoder's Python wrapper is the same in both).
+NVENC_OPTIONS = {"codec": "hevc", "tuning_info": "lossless", "preset": "P1", "gop": "1", "idrperiod": "1", "bf": "0"}
 
-    Default options ask for lossless tuning; PyNvVideoCodec's option names
-    differ across versions, so failures surface as :class:`NvCodecUnavailable`.
+
+def nvenc_encode_pictures(planes: np.ndarray, **options: Any) -> list[bytes]:
+    """Lossless HEVC 4:4:4 of ``[frames, 3, H, W]`` uint8 planes with NVENC (host input): one packet per picture.
+
+    Runs on the caller's thread with NVENC's own CUDA stream (the saver's
+    background threads: never the engine's stream). Raises
+    :class:`NvCodecUnavailable` where NVENC cannot encode here, and
+    :class:`CodecError` when it does not give exactly one packet per picture
+    (the layout needs them apart).
     """
     nvc = _import_nvc()
     frames, _, height, width = planes.shape
-    params = {"codec": "hevc", "tuning_info": "lossless", "preset": "P1", "gop": "1", "bf": "0"}
-    params.update(options)
+    params = {**NVENC_OPTIONS, **options}
     try:
         encoder = nvc.CreateEncoder(width, height, "YUV444", True, **params)
     except Exception as exc:  # noqa: BLE001
         raise NvCodecUnavailable(f"NVENC encoder not available: {type(exc).__name__}: {exc}") from None
-    out = bytearray()
+    packets: list[bytes] = []
     try:
         for f in range(frames):
-            out += bytes(encoder.Encode(np.ascontiguousarray(planes[f]).reshape(-1)))
-        out += bytes(encoder.EndEncode())
+            if out := bytes(encoder.Encode(np.ascontiguousarray(planes[f]).reshape(-1))):
+                packets.append(out)
+        if tail := bytes(encoder.EndEncode()):
+            packets.append(tail)
     except Exception as exc:  # noqa: BLE001
         raise NvCodecUnavailable(f"NVENC encode failed: {type(exc).__name__}: {exc}") from None
-    return bytes(out)
+    if len(packets) != frames:
+        raise CodecError(f"NVENC gave {len(packets)} packets for {frames} pictures")
+    return packets
+
+
+def nvenc_encode_planes(planes: np.ndarray, **options: Any) -> bytes:
+    """:func:`nvenc_encode_pictures`' packets back to back: the elementary stream."""
+    return b"".join(nvenc_encode_pictures(planes, **options))
+
+
+_NVENC: tuple[bool, str] | None = None
+
+
+def nvenc_usable() -> tuple[bool, str]:
+    """:func:`nvenc_available`, probed once per process (the save path asks for every chunk)."""
+    global _NVENC
+    if _NVENC is None:
+        _NVENC = nvenc_available()
+    return _NVENC
 
 
 def nvenc_available() -> tuple[bool, str]:
@@ -368,5 +397,6 @@ def nvenc_available() -> tuple[bool, str]:
 
 __all__ = [
     "NvCodecUnavailable", "VideoPayload", "decode_video_chunk_nvdec", "decode_video_payload_nvdec", "join_bf16", "nvdec_available",
-    "nvdec_decode_planes", "nvenc_available", "nvenc_encode_planes", "parse_video_payload", "planes_to_exponents",
+    "nvdec_decode_planes", "nvenc_available", "nvenc_encode_pictures", "nvenc_encode_planes", "nvenc_usable",
+    "parse_video_payload", "planes_to_exponents", "split_packets",
 ]
