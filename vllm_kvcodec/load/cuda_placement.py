@@ -221,12 +221,13 @@ class CudaPlacement(Placement):
         dtype = self.caches[0].dtype
         with self.side.active():
             if dtype == torch.bfloat16 and n:
-                x = torch.zeros(n, dtype=torch.bfloat16, device=self.device)
-                x[:: max(1, n // 7)] = 1e-30  # an escape: the patch kernel too
-                payload = sz.encode_splitzip_gpu(x)
-                buf = sz.device_payload_buffer(payload.numel(), n, self.device)
-                buf.copy_(payload)
-                sz.raise_if_invalid(sz.decode_splitzip_gpu_async(buf, n)[1])
+                for escapes in _WARM_ESCAPES:  # Triton specialises int arguments on == 1 and % 16: each case once
+                    if n >= 32 * (escapes + 1):
+                        x = _with_escapes(n, escapes, self.device)
+                        payload = sz.encode_splitzip_gpu(x)
+                        buf = sz.device_payload_buffer(payload.numel(), n, self.device)
+                        buf.copy_(payload)
+                        sz.raise_if_invalid(sz.decode_splitzip_gpu_async(buf, n)[1])
                 geo = nvcodec._video_layout().geometry(tuple(object_shape))
                 planes = torch.zeros((geo.frames, nvcodec.PLANES, geo.height, geo.width), dtype=torch.uint8,
                                      device=self.device)
@@ -244,14 +245,16 @@ class CudaPlacement(Placement):
         if layers > len(self.caches):
             return
         whole = torch.empty(object_shape, dtype=self.caches[0].dtype, device=self.device)
-        for first in (0, 1):
-            count = min(tokens, object_shape[2]) - first
-            if count < 1:
-                continue
-            slots = torch.arange(count, dtype=torch.int64, device=self.device)
-            part = whole[:, :, first : first + count]
-            self.pages.gather(0, slots, part)
-            self.pages.scatter(0, part, slots)
+        starts = {0, layers} if 2 * layers <= len(self.caches) else {0}  # the pointer table's offset: 16-aligned or not
+        for layer in sorted(starts):
+            for first in (0, 1):
+                count = min(tokens, object_shape[2]) - first
+                if count < 1:
+                    continue
+                slots = torch.arange(count, dtype=torch.int64, device=self.device)
+                part = whole[:, :, first : first + count]
+                self.pages.gather(layer, slots, part)
+                self.pages.scatter(layer, part, slots)
 
     def shutdown(self) -> None:
         self.nvdec.close()
@@ -291,6 +294,17 @@ class CudaFetcher(Fetcher):
         first = self.groups[0][0]
         shape = self.objects.object_shape(len(self.groups[0]), layouts[first], caches[first], ns.chunk_size)
         placement.warm(tuple(shape), ns.chunk_size)
+
+
+_WARM_ESCAPES = (0, 1, 16, 17)
+
+
+def _with_escapes(n: int, escapes: int, device: torch.device) -> torch.Tensor:
+    """``n`` bf16 values over 16 common exponents, plus exactly ``escapes`` values of a rare one."""
+    x = torch.tensor([2.0**i for i in range(16)], dtype=torch.bfloat16).repeat(n // 16 + 1)[:n]
+    if escapes:
+        x[torch.linspace(0, n - 1, escapes).long()] = 2.0**-100
+    return x.to(device)
 
 
 def _per_group(dev_slots: torch.Tensor, spans: list[Span]) -> list[torch.Tensor]:
