@@ -242,3 +242,34 @@ def test_cuda_save_gather_reaches_the_store_bit_exact(real_kv_1k) -> None:
     finally:
         saver.shutdown()
         fetcher.shutdown()
+
+
+@pytest.mark.gpu
+@cuda_kernels
+def test_cuda_fetcher_decodes_video_with_nvdec_bit_exact(real_kv_1k) -> None:
+    """Where NVDEC works: video objects through reused NVDEC sessions, the device join and checksum, the scatter."""
+    pytest.importorskip("av")  # x265 encodes the chunks
+    from vllm_kvcodec.gpu import nvcodec
+    from vllm_kvcodec.load.cuda_placement import CudaFetcher
+    from vllm_kvcodec.paged import PackedKVLayout
+    from vllm_kvcodec.stats import ConnectorStats
+    from vllm_kvcodec.tools import gpu_load_check as lc
+
+    ok, reason = nvcodec.nvdec_available()
+    if not ok:
+        pytest.skip(reason)
+    sc = lc.build(real_kv_1k[:, :, :512].contiguous(), chunk_size=256, layers_per_object=10, block_size=16,
+                  codecs=["video", "splitzip"], first_token=37)
+    caches = sc.caches("cuda")
+    stats = ConnectorStats()
+    fetcher = CudaFetcher(sc.store, sc.addresses, caches, [PackedKVLayout(sc.geometry)] * len(caches), 4, stats)
+    try:
+        job = fetcher.submit(sc.specs, 60)
+        assert job.done.wait(60)
+        job.settle()
+        torch.cuda.current_stream().synchronize()
+        assert not job.failed_blocks and lc.caches_equal(caches, sc.expected())
+        assert fetcher.placement.nvdec.unavailable is None
+        assert stats.totals()["gpu_decoded_objects"] == 6  # 3 groups x (1 video + 1 splitzip chunk)
+    finally:
+        fetcher.shutdown()
