@@ -313,3 +313,20 @@ def test_session_pool_bounds_reuses_and_replaces_failed_sessions() -> None:
     t2.join(5)
     assert not t2.is_alive() and got and got[0] is not a and a.closed
     assert pool.created == 2 and pool.live == 1
+
+
+@pytest.mark.parametrize("tokens", [1, 52, 256])
+def test_access_units_are_the_payloads_packets(real_kv_1k: torch.Tensor, tokens: int) -> None:
+    """A stream without its packet table (NVENC's, say) is cut where the video payload's packets are."""
+    pytest.importorskip("av")
+    from vllm_kvcodec.format import encode_chunk
+
+    blob = encode_chunk(real_kv_1k[:, :, :tokens].contiguous(), "video")
+    payload, shape = _payload(blob)
+    parsed = nvcodec.parse_video_payload(payload, shape)
+    units = nvcodec.access_units(parsed.stream)
+    assert [len(u) for u in units] == list(parsed.packet_sizes)
+    session = __import__("vllm_kvcodec.gpu.nvdec_sessions", fromlist=["x"]).NvdecSession(torch.device("cpu"), _FakeNvc())
+    planes = nvcodec.nvdec_decode_planes(parsed.stream, parsed.width, parsed.height, parsed.frames, "cpu", session=session)
+    assert torch.equal(nvcodec.planes_to_exponents(planes, parsed.geometry),
+                       ((real_kv_1k[:, :, :tokens].contiguous().view(torch.int16).view(-1) >> 7) & 0xFF).to(torch.uint8))

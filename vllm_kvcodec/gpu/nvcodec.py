@@ -231,15 +231,48 @@ def split_packets(stream: bytes | memoryview, packet_sizes: tuple[int, ...] | li
     return packets
 
 
+def access_units(stream: bytes | memoryview) -> list[memoryview]:
+    """An HEVC Annex B stream cut into access units (one picture each, parameter sets with the picture after them).
+
+    For streams that come without the ``video`` payload's packet table (an
+    NVENC stream, say). A new unit starts at a parameter set, an access unit
+    delimiter or a prefix SEI that follows a picture's slices, and at a slice
+    whose ``first_slice_segment_in_pic_flag`` is set when the unit already has a slice.
+    """
+    view = memoryview(stream).cast("B")
+    data = bytes(view)
+    starts, at = [], 0
+    while (at := data.find(b"\x00\x00\x01", at)) >= 0:
+        starts.append(at + 3)
+        at += 3
+    cuts, has_slice = [0], False
+    for i, nal in enumerate(starts):
+        if nal + 2 >= len(data):
+            break
+        kind = (data[nal] >> 1) & 0x3F
+        begin = starts[i] - 3 - (1 if starts[i] >= 4 and data[starts[i] - 4] == 0 else 0)
+        if kind <= 31:  # a slice
+            if has_slice and data[nal + 2] & 0x80:
+                cuts.append(begin)
+            has_slice = True
+        elif kind in (32, 33, 34, 35, 39) and has_slice:
+            cuts.append(begin)
+            has_slice = False
+    cuts.append(len(data))
+    return [view[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
 def nvdec_decode_planes(
     stream: bytes | memoryview, width: int, height: int, frames: int, device: torch.device | str = "cuda",
-    *, packet_sizes: tuple[int, ...] | list[int], session: Any | None = None,
+    *, packet_sizes: tuple[int, ...] | list[int] | None = None, session: Any | None = None,
 ) -> torch.Tensor:
     """Decode the ``video`` codec's HEVC Annex B stream with NVDEC: ``[frames, 3, height, width]`` uint8 on GPU.
 
     ``session``: an :class:`~vllm_kvcodec.gpu.nvdec_sessions.NvdecSession`
     to reuse (the load path and the device check keep one per thread); without
-    one, a decoder is created for this call only. Raises
+    one, a decoder is created for this call only. ``packet_sizes``: the
+    payload's packet table; without it the stream is cut into access units
+    (:func:`access_units`). Raises
     :class:`NvCodecUnavailable` when PyNvVideoCodec/NVDEC cannot be used,
     :class:`CodecError` when the stream does not decode to exactly ``frames``
     4:4:4 pictures of the given size.
@@ -254,12 +287,13 @@ def nvdec_decode_planes(
     data = bytes(stream)
     if not data.startswith(ANNEXB_START) and not data.startswith(ANNEXB_START[1:]):
         raise CodecError("not an Annex B elementary stream (no start code)")
-    if len(packet_sizes) != frames:
-        raise CodecError(f"{len(packet_sizes)} packets for {frames} pictures")
+    packets = split_packets(data, packet_sizes) if packet_sizes is not None else access_units(data)
+    if len(packets) != frames:
+        raise CodecError(f"{len(packets)} packets for {frames} pictures")
     out = torch.empty((frames, PLANES, height, width), dtype=torch.uint8, device=device)
     with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
         decoder = session if session is not None else NvdecSession(device)
-        decoder.decode_into(split_packets(data, packet_sizes), width, height, out)
+        decoder.decode_into(packets, width, height, out)
     return out
 
 
@@ -398,5 +432,5 @@ def nvenc_available() -> tuple[bool, str]:
 __all__ = [
     "NvCodecUnavailable", "VideoPayload", "decode_video_chunk_nvdec", "decode_video_payload_nvdec", "join_bf16", "nvdec_available",
     "nvdec_decode_planes", "nvenc_available", "nvenc_encode_pictures", "nvenc_encode_planes", "nvenc_usable",
-    "parse_video_payload", "planes_to_exponents", "split_packets",
+    "parse_video_payload", "planes_to_exponents", "split_packets", "access_units",
 ]
