@@ -691,24 +691,25 @@ def sec_nvcodec(d: dict) -> None:
         verify = True
     except ImportError:
         verify = False
-    got = nvcodec.decode_video_payload_nvdec(payload, shape, DEVICE, verify_hash=verify)
-    exact = bool(torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)))
-    t = timed(lambda: nvcodec.decode_video_payload_nvdec(payload, shape, DEVICE, verify_hash=False), 3)
+    from vllm_kvcodec.gpu.nvdec_sessions import NvdecSession
+
+    session = NvdecSession(DEVICE)  # one decoder, reused: the throughput is gpu_check_video's nvdec_decode section
+    got = nvcodec.decode_video_payload_nvdec(payload, shape, DEVICE, verify_hash=verify, session=session)
+    again = nvcodec.decode_video_payload_nvdec(payload, shape, DEVICE, verify_hash=verify, session=session)
     parsed = nvcodec.parse_video_payload(payload, shape)
-    tp = timed(lambda: nvcodec.nvdec_decode_planes(bytes(parsed.stream), parsed.width, parsed.height,
-                                                   parsed.frames, DEVICE), 3)
     d["nvdec"]["decode"] = {
-        "bit_exact": exact, "exp_hash_checked": verify, "values": want.numel(), "blob_bytes": len(blob),
-        "pictures": [parsed.frames, parsed.width, parsed.height],
-        "payload_raw_MBps": round(want.numel() * 2 / t["median_s"] / 1e6, 1),
-        "nvdec_only_raw_MBps": round(want.numel() * 2 / tp["median_s"] / 1e6, 1),
+        "bit_exact": bool(torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))),
+        "bit_exact_reusing_the_session": bool(torch.equal(again.cpu().view(torch.int16), want.view(torch.int16))),
+        "exp_hash_checked": verify, "values": want.numel(), "blob_bytes": len(blob),
+        "pictures": [parsed.frames, parsed.width, parsed.height], "throughput": "see section nvdec_decode",
     }
     log(f"   NVDEC decode: {d['nvdec']['decode']}")
     try:
-        chunk = nvcodec.decode_video_chunk_nvdec(blob, DEVICE, verify_hash=verify)
+        chunk = nvcodec.decode_video_chunk_nvdec(blob, DEVICE, verify_hash=verify, session=session)
         d["nvdec"]["chunk_level_bit_exact"] = bool(torch.equal(chunk.cpu().view(torch.int16), want.view(torch.int16)))
     except Exception as exc:  # noqa: BLE001 - the chunk format needs xxhash and every codec's imports
         d["nvdec"]["chunk_level_bit_exact"] = f"not run: {type(exc).__name__}: {exc}"
+    session.close()
 
 
 def sec_nvenc(d: dict) -> None:
@@ -753,6 +754,16 @@ def _libav_stand_in(nvcodec, payload, shape, want) -> str:
     return "bit-exact" if torch.equal(got.view(torch.int16), want.view(torch.int16)) else "MISMATCH"
 
 
+def _load_video_sections():
+    """benchmarks/gpu_check_video.py (the KVCodec measurements), by path: this file may run as a module too."""
+    spec = importlib.util.spec_from_file_location("gpu_check_video", ROOT / "benchmarks" / "gpu_check_video.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+video_sections = _load_video_sections()
+
 #: In the order they run; each is isolated (its failure is recorded, the next one runs). Whatever loads a
 #: driver library that may be missing (the NVENC probe) runs after every figure that does not need it:
 #: new NVDEC / video / interference sections go before ("nvenc", sec_nvenc). Each is ``fn(data: dict)``.
@@ -763,6 +774,9 @@ SECTIONS = [
     ("throughput", sec_throughput),
     ("scatter", sec_scatter),
     ("gpu_fetcher", sec_gpu_fetcher),
+    ("nvdec_decode", video_sections.sec_nvdec_decode),
+    ("video_fetcher", video_sections.sec_video_fetcher),
+    ("sm_interference", video_sections.sec_sm_interference),
     ("nvcodec", sec_nvcodec),
     ("nvenc", sec_nvenc),
 ]

@@ -115,3 +115,36 @@ def test_reads_overrule_writes() -> None:
     feed(chooser, 40)
     chooser.observe_write(8 << 20, (8 << 20) * 8 / 2e9)
     assert abs(chooser.bandwidth_bytes_per_s * 8 / 1e9 - 40) < 0.01
+
+
+def test_device_decode_paths_are_calibrated_and_weighed_as_the_fetcher_runs_them(real_chunks) -> None:
+    """A CUDA engine's fetcher decodes splitzip on the device: auto times that path (not the CPU decode), counts
+    its own parallelism, and never charges a device decode to the CPU prefill's cores."""
+    from vllm_kvcodec.codecs.choice import DecodePath, expected_seconds_per_byte
+    from vllm_kvcodec.format import decode_chunk
+
+    calls: list[int] = []
+
+    def device_like(blob: bytes) -> None:  # a real decode, counted: what the chooser timed
+        calls.append(len(blob))
+        decode_chunk(blob)
+
+    chooser = CodecChooser("auto", candidates=("raw", "splitzip"), decoders=2)
+    chooser.decode_paths = {"splitzip": DecodePath(device_like, 1, "cuda:0 (Triton)")}
+    sample = real_chunks[0][:5]
+    chooser.codec_for(sample)
+    assert len(calls) == 4  # one untimed, three timed
+    assert chooser.profile["splitzip"]["on_cpu"] is False and chooser.profile["splitzip"]["parallel"] == 1
+    assert "parallel" not in chooser.profile["raw"]  # the CPU path takes the decoder count when it decides
+    # Pin the figures: raw decodes at 8 GB/s on the CPU, splitzip (1.33x) at 2000 GB/s on the device.
+    chooser.profile["raw"].update(decode_Bps=8e9)
+    chooser.profile["splitzip"].update(ratio=1.33, decode_Bps=2e12)
+    feed(chooser, 400.0)  # 50 GB/s: the ratio pays, the device decode hides under the read
+    chooser.decode_takes_prefill_cores = True  # would charge a CPU decode; a device decode is not charged
+    assert chooser.codec_for(sample).codec_id == "splitzip"
+    link = 50e9
+    cpu = expected_seconds_per_byte(1.33, 2e12, link, 1, on_cpu=True, reads_cost_cpu=False, decode_takes_prefill_cores=True)
+    dev = expected_seconds_per_byte(1.33, 2e12, link, 1, on_cpu=False, reads_cost_cpu=False, decode_takes_prefill_cores=True)
+    assert dev == 1 / (1.33 * link) < cpu
+    assert expected_seconds_per_byte(1.0, 1e9, 1e12, 4, on_cpu=True, reads_cost_cpu=False,
+                                     decode_takes_prefill_cores=False) == 1 / 4e9  # decode-bound: 4 threads share it

@@ -450,3 +450,40 @@ def test_package_imports_without_pyav() -> None:
         "assert 'av' not in sys.modules or sys.modules['av'] is None\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---- the encoder: NVENC where the GPU has one, x265 otherwise; one bitstream either way ---------------------
+
+
+def test_encoder_auto_is_x265_without_nvenc_and_stores_nothing_of_it(real_chunk: torch.Tensor) -> None:
+    from vllm_kvcodec.gpu import nvcodec
+
+    if nvcodec.nvenc_usable()[0]:
+        pytest.skip("this machine has NVENC: auto encodes with it (the gpu test covers that)")
+    kv = real_chunk[:2].contiguous()
+    auto, x265 = encode_chunk(kv, "video"), encode_chunk(kv, "video", encoder="x265")
+    assert auto == x265  # the same x265 stream; the encoder is not part of the stored config
+    assert read_header(auto).codec_config == {"id": "video", "backend": "hevc", "layout": 1}
+    with pytest.raises(ConfigError, match="NVENC cannot encode here"):
+        encode_chunk(kv, "video", encoder="nvenc")
+    with pytest.raises(ConfigError, match="encoder"):
+        get_codec({"id": "video", "backend": "ffv1", "encoder": "nvenc"})
+    with pytest.raises(ConfigError, match="encoder"):
+        get_codec({"id": "video", "encoder": "qsv"})
+
+
+@pytest.mark.gpu
+def test_nvenc_stream_decodes_with_libav_and_nvdec(real_chunk: torch.Tensor) -> None:
+    """Where the GPU has NVENC: its stream is decoded by the CPU decoder (libav, inside encode's verify and here)
+    and by NVDEC, bit-exactly; x265's stream by NVDEC too."""
+    from vllm_kvcodec.gpu import nvcodec
+
+    ok, reason = nvcodec.nvenc_usable()
+    if not ok:
+        pytest.skip(f"no NVENC here: {reason}")
+    kv = real_chunk[:2].contiguous()
+    for encoder in ("nvenc", "x265"):
+        blob = encode_chunk(kv, "video", encoder=encoder)
+        assert same_bits(decode_chunk(blob), kv)
+        got = nvcodec.decode_video_chunk_nvdec(blob, "cuda")
+        assert same_bits(got.cpu(), kv)

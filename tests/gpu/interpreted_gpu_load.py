@@ -279,3 +279,199 @@ def test_save_gather_hands_the_saver_what_the_cpu_gather_would(real_kv_1k) -> No
     gather.shutdown()
     saver.shutdown()
     fetcher.shutdown()
+
+
+# ---- video objects: NVDEC's place in the load path (libav standing in for the decoder session) -------------
+
+from vllm_kvcodec.format import build_chunk, read_header  # noqa: E402
+from vllm_kvcodec.gpu import nvcodec  # noqa: E402
+from vllm_kvcodec.gpu.nvdec_join_triton import READBACK_BYTES, exponent_digest_into, finish_xxh3, join_exponents  # noqa: E402
+from vllm_kvcodec.gpu.nvdec_sessions import LibavSession  # noqa: E402
+
+
+class _CountingLibav(LibavSession):
+    """The libav stand-in, counting sessions made (they must be reused, not made per object)."""
+
+    made = 0
+
+    def __init__(self, device) -> None:
+        super().__init__(device)
+        type(self).made += 1
+
+
+def _video_run(sc, caches, stats=None, sessions=_CountingLibav, timeout=120.0, threads=2):
+    fetcher = CudaFetcher(sc.store, sc.addresses, caches, _layouts(sc), threads, stats or ConnectorStats(),
+                          video_sessions=sessions)
+    try:
+        job = fetcher.submit(sc.specs, timeout)
+        assert job.done.wait(timeout)
+        job.settle()
+        return job, fetcher
+    finally:
+        fetcher.shutdown()
+
+
+def test_join_and_checksum_kernels_match_the_cpu() -> None:
+    """The device join equals video.join; the device XXH3 accumulators finish to xxhash's digest, for short and
+    long inputs, whole and partial 1 KiB blocks."""
+    import xxhash
+    from vllm_kvcodec.codecs.video_layout import geometry, to_planes
+
+    gen = torch.Generator().manual_seed(11)
+    for shape in [(1, 1, 3), (2, 2, 5, 3, 16), (1, 2, 16, 3, 64), (3, 2, 7, 2, 24)]:
+        bits = torch.randint(-32768, 32767, shape, dtype=torch.int16, generator=gen)
+        flat = bits.view(-1).numpy().view("<u2")
+        exps = ((flat >> 7) & 0xFF).astype("u1")
+        signman = (((flat >> 8) & 0x80) | (flat & 0x7F)).astype("u1")
+        geo = geometry(shape)
+        planes = torch.from_numpy(to_planes(exps, geo))
+        out = torch.empty(geo.n, dtype=torch.int16)
+        join_exponents(planes, torch.from_numpy(signman), geo, out)
+        assert torch.equal(out, bits.view(-1)), shape
+        back = torch.zeros(READBACK_BYTES, dtype=torch.uint8)
+        exponent_digest_into(out, back)
+        assert finish_xxh3(back.numpy().tobytes(), geo.n) == xxhash.xxh3_64_intdigest(exps.tobytes()), shape
+
+
+def _video_scenario(real_kv_1k, codecs=("video", "splitzip"), seed=20, first_token=5):
+    pytest.importorskip("av")
+    return _scenario(real_kv_1k, list(codecs), seed=seed, first_token=first_token)
+
+
+def test_gpu_fetcher_decodes_video_objects_bit_exactly(real_kv_1k) -> None:
+    sc = _video_scenario(real_kv_1k)
+    gpu, cpu = sc.caches("cpu"), sc.caches("cpu")
+    stats = ConnectorStats()
+    _CountingLibav.made = 0
+    job, fetcher = _video_run(sc, gpu, stats)
+    _run(Fetcher, sc, cpu)
+    assert not job.failed_blocks
+    assert lc.caches_equal(gpu, cpu) and lc.caches_equal(gpu, sc.expected())
+    totals = stats.totals()
+    assert totals["gpu_decoded_objects"] == 8 and totals["codec_video_loads"] == 4  # video and splitzip: all on the device
+    assert 1 <= _CountingLibav.made <= 2  # 4 video objects, 2 fetch threads: sessions reused
+    assert fetcher.placement.nvdec.unavailable is None
+
+
+def _rewrap(sc, chunk, group, change) -> None:
+    """Store ``change(payload)`` in place of an object's payload, under a valid checksum and key binding."""
+    key = sc.addresses.key(chunk.chunk_hash, group)
+    blob = sc.store.get(key)
+    head = read_header(blob, key=key)
+    payload = bytearray(memoryview(blob)[head.payload_offset : head.payload_offset + head.payload_length])
+    sc.store.put(key, build_chunk(bytes(change(payload, head)), head.dtype, head.shape, head.codec_config, key=key))
+
+
+def _stream_at(payload: bytearray, head) -> int:
+    parsed = nvcodec.parse_video_payload(bytes(payload), head.shape)
+    return len(payload) - len(parsed.stream)
+
+
+def test_gpu_fetcher_fails_damaged_video_objects_and_writes_nothing(real_kv_1k) -> None:
+    sc = _video_scenario(real_kv_1k, codecs=("video",), seed=21)
+    chunks = [c for spec in sc.specs for c in spec.chunks]
+
+    def damage_stream(payload, head):  # bytes in the middle of the slice data
+        at = _stream_at(payload, head)
+        mid = at + (len(payload) - at) // 2
+        payload[mid : mid + 4] = bytes(b ^ 0xFF for b in payload[mid : mid + 4])
+        return payload
+
+    def wrong_sizes(payload, head):  # packet table no longer sums to the stream
+        parsed = nvcodec.parse_video_payload(bytes(payload), head.shape)
+        at = _stream_at(payload, head) - 4 * parsed.frames
+        payload[at] ^= 1
+        return payload
+
+    def wrong_exponent_hash(payload, head):  # decodes fine, to exponents that are not the ones hashed
+        payload[8] ^= 1
+        return payload
+
+    _rewrap(sc, chunks[0], 0, damage_stream)
+    _rewrap(sc, chunks[1], 1, wrong_sizes)
+    _rewrap(sc, chunks[2], 0, wrong_exponent_hash)
+    gpu, cpu = sc.caches("cpu"), sc.caches("cpu")
+    job, _ = _video_run(sc, gpu)
+    cpu_job = _run(Fetcher, sc, cpu)
+    failed = {(chunks[0].chunk_hash, 0), (chunks[1].chunk_hash, 1), (chunks[2].chunk_hash, 0)}
+    want = set(chunks[0].block_ids) | set(chunks[1].block_ids) | set(chunks[2].block_ids)
+    assert job.failed_blocks == want == cpu_job.failed_blocks
+    assert lc.caches_equal(gpu, sc.expected(failed)) and lc.caches_equal(gpu, cpu)
+
+
+class _WrongPictures(LibavSession):
+    """A decoder that returns a picture with one exponent changed (what concealment would do)."""
+
+    def decode_into(self, packets, width, height, out) -> None:
+        super().decode_into(packets, width, height, out)
+        out[0, 0, 0, 0] ^= 1
+
+
+def test_device_checksum_catches_a_decoder_that_lies(real_kv_1k) -> None:
+    sc = _video_scenario(real_kv_1k, codecs=("video",), seed=22)
+    gpu = sc.caches("cpu")
+    job, _ = _video_run(sc, gpu, sessions=_WrongPictures)
+    every = {b for spec in sc.specs for c in spec.chunks for b in c.block_ids}
+    assert job.failed_blocks == every
+    assert lc.caches_equal(gpu, sc.caches("cpu"))  # nothing written
+
+
+def test_without_nvdec_video_objects_decode_on_the_cpu_logged_once(real_kv_1k, caplog) -> None:
+    """On a device without NVDEC (here: a CPU) the default sessions give up once, and the CPU codec decodes."""
+    sc = _video_scenario(real_kv_1k, seed=23)
+    gpu = sc.caches("cpu")
+    stats = ConnectorStats()
+    with caplog.at_level("INFO", logger="vllm_kvcodec"):
+        job, fetcher = _video_run(sc, gpu, stats, sessions=None)
+    assert not job.failed_blocks and lc.caches_equal(gpu, sc.expected())
+    assert fetcher.placement.nvdec.unavailable
+    assert sum("NVDEC unavailable" in r.getMessage() for r in caplog.records) == 1
+    assert stats.totals()["gpu_decoded_objects"] == 4  # the splitzip ones only
+
+
+def test_gpu_fetcher_cancel_with_video_objects_writes_nothing_late(real_kv_1k) -> None:
+    sc = _video_scenario(real_kv_1k, seed=24)
+    gated = _GatedStore(sc.store, "g001")
+    caches = sc.caches("cpu")
+    fetcher = CudaFetcher(gated, sc.addresses, caches, _layouts(sc), 2, ConnectorStats(), video_sessions=LibavSession)
+    try:
+        job = fetcher.submit(sc.specs, 120)
+        assert job.wait_layer(0, job.deadline)
+        assert not job.wait_layer(2, time.monotonic() + 0.3)
+        job.cancel()
+        gated.gate.set()
+        fetcher.shutdown()
+        group1 = {(c.chunk_hash, 1) for spec in sc.specs for c in spec.chunks}
+        assert job.failed_blocks == {b for spec in sc.specs for c in spec.chunks for b in c.block_ids}
+        assert lc.caches_equal(caches, sc.expected(group1))
+    finally:
+        gated.gate.set()
+        fetcher.shutdown()
+
+
+def test_warm_up_compiles_without_changing_the_caches(real_kv_1k) -> None:
+    """The main-thread warm-up gathers and scatters back the same bits: every cache byte is unchanged."""
+    from vllm_kvcodec.load.cuda_placement import CudaPlacement
+
+    sc = _scenario(real_kv_1k, ["raw"], seed=25)
+    caches = [c.normal_() for c in sc.caches("cpu")]
+    before = [c.clone() for c in caches]
+    placement = CudaPlacement(caches, _layouts(sc), 1)
+    assert placement.pages is not None  # the gather/scatter part runs
+    placement._warm((2, 2, 16, 3, 64), 16)  # what warm() runs on CUDA (skipped in the interpreter)
+    assert lc.caches_equal(caches, before)
+
+
+def test_slots_are_checked_against_their_own_groups_cache() -> None:
+    """Two KV cache groups with different block counts: a slot valid in group 0 is out of range in group 1."""
+    from vllm_kvcodec.load.cuda_placement import CudaPlacement
+    from vllm_kvcodec.spans import Span
+
+    geo = Geometry(2, 16, 8, torch.bfloat16)
+    big = torch.zeros(10, 2, 8, 32, dtype=torch.bfloat16)
+    small = torch.zeros(4, 2, 8, 32, dtype=torch.bfloat16)
+    placement = CudaPlacement([big, small], [PackedKVLayout(geo)] * 2, 1, cache_groups=[0, 1])
+    assert placement.group_slots == {0: 80, 1: 32}
+    assert placement._checked_slots([Span(0, [79]), Span(0, [31])]) == [79, 31]
+    with pytest.raises(SlotError):
+        placement._checked_slots([Span(0, [31]), Span(0, [40])])

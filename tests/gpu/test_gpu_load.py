@@ -29,7 +29,7 @@ from vllm_kvcodec.gpu.staging import StagingPool, align8, host_slots
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = Path(__file__).resolve().parent / "interpreted_gpu_load.py"
-MIN_CASES = 19  # what the file holds today; fewer means cases silently stopped being collected
+MIN_CASES = 26  # what the file holds today; fewer means cases silently stopped being collected
 
 
 
@@ -241,4 +241,35 @@ def test_cuda_save_gather_reaches_the_store_bit_exact(real_kv_1k) -> None:
                 assert torch.equal(lc.bits(got), lc.bits(sc.kv[layers.start : layers.stop, :, c * 256 : (c + 1) * 256]))
     finally:
         saver.shutdown()
+        fetcher.shutdown()
+
+
+@pytest.mark.gpu
+@cuda_kernels
+def test_cuda_fetcher_decodes_video_with_nvdec_bit_exact(real_kv_1k) -> None:
+    """Where NVDEC works: video objects through reused NVDEC sessions, the device join and checksum, the scatter."""
+    pytest.importorskip("av")  # x265 encodes the chunks
+    from vllm_kvcodec.gpu import nvcodec
+    from vllm_kvcodec.load.cuda_placement import CudaFetcher
+    from vllm_kvcodec.paged import PackedKVLayout
+    from vllm_kvcodec.stats import ConnectorStats
+    from vllm_kvcodec.tools import gpu_load_check as lc
+
+    ok, reason = nvcodec.nvdec_available()
+    if not ok:
+        pytest.skip(reason)
+    sc = lc.build(real_kv_1k[:, :, :512].contiguous(), chunk_size=256, layers_per_object=10, block_size=16,
+                  codecs=["video", "splitzip"], first_token=37)
+    caches = sc.caches("cuda")
+    stats = ConnectorStats()
+    fetcher = CudaFetcher(sc.store, sc.addresses, caches, [PackedKVLayout(sc.geometry)] * len(caches), 4, stats)
+    try:
+        job = fetcher.submit(sc.specs, 60)
+        assert job.done.wait(60)
+        job.settle()
+        torch.cuda.current_stream().synchronize()
+        assert not job.failed_blocks and lc.caches_equal(caches, sc.expected())
+        assert fetcher.placement.nvdec.unavailable is None
+        assert stats.totals()["gpu_decoded_objects"] == 6  # 3 groups x (1 video + 1 splitzip chunk)
+    finally:
         fetcher.shutdown()

@@ -21,6 +21,16 @@ real chunk saved; the link bandwidth is what :mod:`.link_estimate` makes of
 this process's reads (the fetcher's, and the worker's probe at start-up),
 and of its writes until a read is seen. Every change of choice is logged
 with the figures behind it.
+
+On a CUDA engine the fetcher does not decode every codec on CPU threads: bf16
+SplitZip decodes in Triton kernels on the device and ``video`` (HEVC) in the
+GPU's NVDEC engines; only rans, zstd and raw run on the CPU threads. So each
+candidate is calibrated through the :class:`DecodePath` the fetcher will take
+(:func:`cuda_decode_paths`): the same blob decoded the same way, timed to the
+device's completion, with the parallelism of that path (one GPU; NVDEC's
+engines; the decode threads). A device path takes no CPU core from a CPU
+prefill (there is none on a GPU engine anyway), so its time is never charged
+as thread-seconds.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,6 +49,15 @@ from vllm_kvcodec.codecs.policy import AUTO, AUTO_CANDIDATES, encode_rank
 from vllm_kvcodec.format import decode_chunk, encode_chunk
 
 logger = logging.getLogger("vllm_kvcodec")
+
+
+class DecodePath(NamedTuple):
+    """How the fetcher decodes one codec's chunks here: a call that decodes a blob completely (device work
+    finished when it returns), how many run at once, and where (named in the log)."""
+
+    decode: Callable[[bytes], Any]
+    parallel: int
+    where: str
 
 
 class CodecChooser:
@@ -59,6 +78,9 @@ class CodecChooser:
         self._current: Codec | None = None
         # Which axis of a stored object a per-channel codec reads as tokens (the object layout's say).
         self.token_axis: Callable[[int], int | None] = lambda ndim: None
+        # Codecs the fetcher decodes other than on its CPU threads (a CUDA engine: cuda_decode_paths).
+        self.decode_paths: dict[str, DecodePath] = {}
+        self._where: dict[str, str] = {}
 
     # ---- observations ---------------------------------------------------------------
     def observe_round_trip(self, seconds: float) -> None:
@@ -81,13 +103,22 @@ class CodecChooser:
     def bandwidth_bytes_per_s(self) -> float:
         return self.link.bytes_per_s
 
+    def path_for(self, codec_id: str) -> DecodePath:
+        """The decode path of ``codec_id``: the device's where one is set, else the CPU decode on the decode threads."""
+        return self.decode_paths.get(codec_id) or DecodePath(decode_chunk, self.decoders, "cpu")
+
     def _calibrate(self, sample: torch.Tensor) -> None:
         raw = sample.numel() * sample.element_size()
         for codec in self.candidates:
             blob = encode_chunk(sample, self._for(codec, sample))
-            decode_chunk(blob)  # untimed: JIT dispatch, caches and first-touch pages
-            decode_s = max(min(_timed(decode_chunk, blob) for _ in range(3)), 1e-9)
-            self.profile[codec.codec_id] = {"ratio": raw / len(blob), "decode_Bps": raw / decode_s}
+            path = self.path_for(codec.codec_id)
+            path.decode(blob)  # untimed: JIT dispatch, caches, first-touch pages, a decoder session
+            decode_s = max(min(_timed(path.decode, blob) for _ in range(3)), 1e-9)
+            entry = {"ratio": raw / len(blob), "decode_Bps": raw / decode_s}
+            if codec.codec_id in self.decode_paths:  # CPU paths take the decoder count at decision time
+                entry.update(parallel=path.parallel, on_cpu=False)
+            self.profile[codec.codec_id] = entry
+            self._where[codec.codec_id] = path.where
 
     # ---- decision -------------------------------------------------------------------
     def codec_for(self, sample: torch.Tensor, behind: bool = False) -> Codec:
@@ -116,20 +147,63 @@ class CodecChooser:
 
     def _expected_seconds_per_byte(self, codec: Codec) -> float:
         p = self.profile[codec.codec_id]
-        read = 1.0 / (p["ratio"] * self.bandwidth_bytes_per_s)
-        if self.decode_takes_prefill_cores:  # thread-seconds, whatever the decoder count
-            return read + 1.0 / p["decode_Bps"]
-        decode = 1.0 / (p["decode_Bps"] * self.decoders)
-        return read + decode if self.reads_cost_cpu else max(read, decode)
+        return expected_seconds_per_byte(
+            p["ratio"], p["decode_Bps"], self.bandwidth_bytes_per_s, int(p.get("parallel", self.decoders)),
+            on_cpu=bool(p.get("on_cpu", True)), reads_cost_cpu=self.reads_cost_cpu,
+            decode_takes_prefill_cores=self.decode_takes_prefill_cores)
 
     def _log_choice(self, codec: Codec) -> None:
         figures = ", ".join(
-            f"{cid}: {p['ratio']:.3f}x, decode {p['decode_Bps'] / 1e6:.0f} MB/s" for cid, p in self.profile.items()
+            f"{cid}: {p['ratio']:.3f}x, decode {p['decode_Bps'] / 1e6:.0f} MB/s x{int(p.get('parallel', self.decoders))} "
+            f"on {self._where.get(cid, 'cpu')}" for cid, p in self.profile.items()
         )
         logger.info(
             "kvcodec auto: link %.2f Gbit/s -> saving with %s (%s)",
             self.bandwidth_bytes_per_s * 8 / 1e9, codec.codec_id, figures,
         )
+
+
+def expected_seconds_per_byte(ratio: float, decode_Bps: float, link_Bps: float, parallel: int, *, on_cpu: bool,
+                              reads_cost_cpu: bool, decode_takes_prefill_cores: bool) -> float:
+    """Seconds per raw byte a load of this codec is expected to take (the module docstring's model).
+
+    ``parallel`` decodes run at once on this codec's path; a device path
+    (``on_cpu`` False) neither shares cores with the reads nor takes them
+    from a CPU prefill, so it only overlaps with the read.
+    """
+    read = 1.0 / (ratio * link_Bps)
+    if on_cpu and decode_takes_prefill_cores:  # thread-seconds, whatever the decoder count
+        return read + 1.0 / decode_Bps
+    decode = 1.0 / (decode_Bps * max(1, parallel))
+    return read + decode if reads_cost_cpu and on_cpu else max(read, decode)
+
+
+def cuda_decode_paths(device: torch.device, decode_threads: int) -> dict[str, DecodePath]:
+    """The decode paths of a CUDA engine's fetcher: Triton SplitZip on ``device`` (bf16), and NVDEC for ``video``
+    where it works here (as many sessions as the GPU has NVDEC engines, at most the threads). Codecs left out
+    decode on the CPU threads."""
+    from vllm_kvcodec.gpu import nvcodec
+    from vllm_kvcodec.gpu.splitzip_triton import SplitZipGPU
+
+    gpu = SplitZipGPU()
+
+    def on_device(blob: bytes) -> None:
+        gpu.decode_chunk_gpu(blob, device)
+        torch.cuda.synchronize(device)
+
+    paths = {"splitzip": DecodePath(on_device, 1, f"{device} (Triton)")}
+    ok, _ = nvcodec.nvdec_available()
+    if ok:
+        from vllm_kvcodec.gpu.nvdec_sessions import NvdecSession, nvdec_engines
+
+        session = NvdecSession(device)
+
+        def nvdec(blob: bytes) -> None:
+            nvcodec.decode_video_chunk_nvdec(blob, device, session=session)
+            torch.cuda.synchronize(device)
+
+        paths["video"] = DecodePath(nvdec, min(nvdec_engines(device), max(1, decode_threads)), f"{device} (NVDEC)")
+    return paths
 
 
 def with_token_axis(codec: Codec, axis: int | None) -> Codec:

@@ -10,7 +10,11 @@ sign+mantissa bits are stored raw beside the stream: they are incompressible
 and every video codec expands them.
 
 Config: ``{"id": "video", "backend": "hevc"|"h264"|"ffv1", "layout": 1}``.
-Encoder-only parameters (not stored, not needed to decode): ``preset``
+Encoder-only parameters (not stored, not needed to decode): ``encoder``
+(hevc only: ``"auto"``, the default, encodes with NVENC where this process
+has a GPU with NVENC and with x265 otherwise; ``"x265"``; ``"nvenc"``, which
+fails where there is none: either gives the same layout, one IDR picture per
+packet, which libav and NVDEC both decode), ``preset``
 (x265/x264 preset; default ultrafast for hevc, veryfast for h264),
 ``threads`` (libav thread count for encoder and decoder, default 1) and
 ``verify`` (default True: decode the new stream and compare before returning,
@@ -47,6 +51,7 @@ the codec refuses it (use ``zstd`` or ``raw``).
 
 from __future__ import annotations
 
+import logging
 import struct
 
 import numpy as np
@@ -62,6 +67,9 @@ from vllm_kvcodec.errors import CodecError, ConfigError
 
 _HEAD = struct.Struct("<HHIQ")  # width, height, frames, exp_hash
 MAX_THREADS = 64
+ENCODERS = ("auto", "x265", "nvenc")
+logger = logging.getLogger("vllm_kvcodec")
+_NVENC_FAILED: list[str] = []  # why NVENC gave up mid-run (logged once; x265 from then on)
 
 
 @register_codec
@@ -76,6 +84,7 @@ class VideoCodec(Codec):
         preset: str | None = None,
         threads: int = 1,
         verify: bool = True,
+        encoder: str = "auto",
     ) -> None:
         if backend not in video_av.BACKENDS:
             raise ConfigError(f"video backend {backend!r} is not one of {', '.join(video_av.BACKENDS)}")
@@ -87,6 +96,9 @@ class VideoCodec(Codec):
             raise ConfigError(f"video threads must be an int in [1, {MAX_THREADS}], got {threads!r}")
         if not isinstance(verify, bool):
             raise ConfigError(f"video verify must be a bool, got {verify!r}")
+        if encoder not in ENCODERS or (encoder == "nvenc" and backend != "hevc"):
+            raise ConfigError(f"video encoder {encoder!r} is not one of {', '.join(ENCODERS)} (nvenc: backend hevc only)")
+        self.encoder = encoder
         self.backend = backend
         self.layout = layout
         self.preset = preset
@@ -104,7 +116,7 @@ class VideoCodec(Codec):
         geo = geometry(tuple(bits.shape))
         exps, signman = split(bits.reshape(-1), dtype)
         planes = to_planes(exps, geo)
-        packets = video_av.encode_pictures(planes, self.backend, self.preset, self.threads)
+        packets = self._encode_pictures(planes)
         if self.verify:
             back = video_av.decode_pictures(
                 [memoryview(p) for p in packets], self.backend, geo.width, geo.height, self.threads
@@ -117,6 +129,24 @@ class VideoCodec(Codec):
         head = _HEAD.pack(geo.width, geo.height, geo.frames, xxhash.xxh3_64_intdigest(exps))
         sizes = np.array([len(p) for p in packets], dtype="<u4").tobytes()
         return b"".join([head, signman.tobytes(), sizes, *packets])
+
+    def _encode_pictures(self, planes: np.ndarray) -> list[bytes]:
+        """NVENC where asked for or (``auto``) present, else the libav encoder; one packet per picture either way."""
+        if self.backend == "hevc" and self.encoder != "x265" and not _NVENC_FAILED:
+            from vllm_kvcodec.gpu import nvcodec
+
+            ok, reason = nvcodec.nvenc_usable()
+            if ok:
+                try:
+                    return nvcodec.nvenc_encode_pictures(planes)
+                except (nvcodec.NvCodecUnavailable, CodecError) as exc:
+                    if self.encoder == "nvenc":
+                        raise
+                    _NVENC_FAILED.append(str(exc))
+                    logger.warning("kvcodec video: NVENC failed (%s); encoding with x265 from now on", exc)
+            elif self.encoder == "nvenc":
+                raise ConfigError(f"video encoder 'nvenc' asked for, but NVENC cannot encode here: {reason}")
+        return video_av.encode_pictures(planes, self.backend, self.preset, self.threads)
 
     def decode(self, payload: memoryview, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
         if not self.supports(dtype):

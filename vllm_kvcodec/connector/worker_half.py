@@ -115,6 +115,10 @@ class WorkerHalf:
         threads = load_threads(self.config.fetch_threads, self.config.decode_threads, on_device=caches[0].is_cuda,
                                reads_in_memory=self.store.reads_in_memory, whole_loads=self._whole_loads)
         self.chooser.decoders = threads.decode
+        if caches[0].is_cuda and self.chooser.auto:  # auto calibrates the decoders this fetcher uses (device, NVDEC)
+            from vllm_kvcodec.codecs.choice import cuda_decode_paths
+
+            self.chooser.decode_paths = cuda_decode_paths(caches[0].device, threads.decode)
         self.chooser.reads_cost_cpu = self.store.reads_in_memory
         self.chooser.decode_takes_prefill_cores = (cores_all_busy and self.config.load_wait != "whole"
                                                    and not self.store.reads_in_memory)

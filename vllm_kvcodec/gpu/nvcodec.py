@@ -13,16 +13,18 @@ without an NVIDIA driver ``import PyNvVideoCodec`` fails, and
 :func:`nvdec_available` returns ``(False, reason)`` instead of raising; the
 decode functions raise :class:`NvCodecUnavailable` carrying that reason.
 
-Status: NOT run on a GPU yet. The PyNvVideoCodec calls follow its 2.x
-programming guide (``CreateDemuxer`` with a read callback, ``CreateDecoder``
-with ``usedevicememory=True``, frames through DLPack or
-``__cuda_array_interface__``); ``benchmarks/gpu_check.py`` is the first place
-they will run. Everything after the decoder (payload parsing, cropping,
+Status: NOT run on a GPU yet. The decoder calls are the subset PyNvVideoCodec
+2.0.4 (what ``vllm==0.33.0`` pins) and 2.2.4 both offer, read from both
+wheels (:mod:`.nvdec_sessions`); ``benchmarks/gpu_check.py`` is the first
+place they will run. Everything after the decoder (payload parsing, cropping,
 joining, the exponent checksum) is tested on the CPU with libav standing in
-for NVDEC (tests/gpu/test_gpu_nvcodec.py).
+for NVDEC (tests/gpu/test_gpu_nvcodec.py), and the session code against a
+stand-in module offering only 2.0.4's calls.
 
-NVENC: H100/H200/A100 have no NVENC; :func:`nvenc_available` only probes.
-Encoding stays on the CPU (x265), see docs/codec-video.md.
+NVENC: H100/H200/A100 have none. Where a GPU has it (L4, L40S, RTX) the
+``video`` codec's ``encoder="auto"`` encodes with :func:`nvenc_encode_pictures`
+(lossless HEVC 4:4:4, one IDR per picture: the same layout, decoded by
+libav and NVDEC alike), else with x265 on the CPU; see docs/codec-video.md.
 """
 
 from __future__ import annotations
@@ -30,10 +32,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import os
 import struct
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -180,8 +180,8 @@ def join_bf16(exponents: torch.Tensor, signman: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 
-def _frame_planes(frame: Any, width: int, height: int, device: torch.device) -> torch.Tensor:
-    """One decoded picture as a ``[3, height, width]`` uint8 tensor on ``device``."""
+def _frame_planes(frame: Any, width: int, height: int, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One decoded picture as a ``[3, height, width]`` uint8 tensor on ``device`` (into ``out`` when given)."""
     fmt = str(getattr(frame, "format", ""))
     if fmt and "444" not in fmt and fmt.upper() not in ("", "NONE"):
         raise NvCodecUnavailable(
@@ -210,7 +210,8 @@ def _frame_planes(frame: Any, width: int, height: int, device: torch.device) -> 
             planes = [whole[p * height : (p + 1) * height] for p in range(PLANES)]
         else:
             planes = [torch.as_tensor(p, device=device) for p in parts[:PLANES]]
-    out = torch.empty((PLANES, height, width), dtype=torch.uint8, device=device)
+    if out is None:
+        out = torch.empty((PLANES, height, width), dtype=torch.uint8, device=device)
     for p, plane in enumerate(planes):
         plane = plane.reshape(plane.shape[0], -1) if plane.dim() > 2 else plane
         if plane.dtype != torch.uint8 or plane.shape[0] < height or plane.shape[1] < width:
@@ -219,89 +220,87 @@ def _frame_planes(frame: Any, width: int, height: int, device: torch.device) -> 
     return out
 
 
-def _packets(nvc: Any, stream: bytes) -> tuple[Any, Any, str]:
-    """(demuxer, codec id, how): the elementary stream through PyNvVideoCodec's demuxer."""
-    errors = []
-    pos = 0
-    source = np.frombuffer(stream, dtype=np.uint8)
+def split_packets(stream: bytes | memoryview, packet_sizes: tuple[int, ...] | list[int]) -> list[memoryview]:
+    """The stream cut at the payload's packet sizes (checked against it by :func:`parse_video_payload`)."""
+    view, packets, at = memoryview(stream).cast("B"), [], 0
+    for size in packet_sizes:
+        packets.append(view[at : at + size])
+        at += size
+    if at != len(view):
+        raise CodecError(f"packet sizes sum to {at}, the stream holds {len(view)} bytes")
+    return packets
 
-    def feed(buffer: Any) -> int:  # buffer-based demuxer: copy the next bytes into ``buffer``
-        nonlocal pos
-        k = min(len(buffer), source.size - pos)
-        if k <= 0:
-            return 0
-        buffer[:k] = source[pos : pos + k]
-        pos += k
-        return k
 
-    try:
-        demuxer = nvc.CreateDemuxer(feed)
-        return demuxer, demuxer.GetNvCodecId(), "buffer demuxer"
-    except Exception as exc:  # noqa: BLE001
-        errors.append(f"buffer demuxer: {type(exc).__name__}: {exc}")
-    fd, path = tempfile.mkstemp(suffix=".hevc")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(stream)
-        demuxer = nvc.CreateDemuxer(filename=path)
-        return demuxer, demuxer.GetNvCodecId(), "file demuxer"
-    except Exception as exc:  # noqa: BLE001
-        errors.append(f"file demuxer: {type(exc).__name__}: {exc}")
-        raise NvCodecUnavailable("PyNvVideoCodec could not demux the HEVC stream: " + "; ".join(errors)) from None
-    finally:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+def access_units(stream: bytes | memoryview) -> list[memoryview]:
+    """An HEVC Annex B stream cut into access units (one picture each, parameter sets with the picture after them).
+
+    For streams that come without the ``video`` payload's packet table (an
+    NVENC stream, say). A new unit starts at a parameter set, an access unit
+    delimiter or a prefix SEI that follows a picture's slices, and at a slice
+    whose ``first_slice_segment_in_pic_flag`` is set when the unit already has a slice.
+    """
+    view = memoryview(stream).cast("B")
+    data = bytes(view)
+    starts, at = [], 0
+    while (at := data.find(b"\x00\x00\x01", at)) >= 0:
+        starts.append(at + 3)
+        at += 3
+    cuts, has_slice = [0], False
+    for i, nal in enumerate(starts):
+        if nal + 2 >= len(data):
+            break
+        kind = (data[nal] >> 1) & 0x3F
+        begin = starts[i] - 3 - (1 if starts[i] >= 4 and data[starts[i] - 4] == 0 else 0)
+        if kind <= 31:  # a slice
+            if has_slice and data[nal + 2] & 0x80:
+                cuts.append(begin)
+            has_slice = True
+        elif kind in (32, 33, 34, 35, 39) and has_slice:
+            cuts.append(begin)
+            has_slice = False
+    cuts.append(len(data))
+    return [view[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def nvdec_decode_planes(
-    stream: bytes | memoryview, width: int, height: int, frames: int, device: torch.device | str = "cuda"
+    stream: bytes | memoryview, width: int, height: int, frames: int, device: torch.device | str = "cuda",
+    *, packet_sizes: tuple[int, ...] | list[int] | None = None, session: Any | None = None,
 ) -> torch.Tensor:
     """Decode the ``video`` codec's HEVC Annex B stream with NVDEC: ``[frames, 3, height, width]`` uint8 on GPU.
 
-    Raises :class:`NvCodecUnavailable` when PyNvVideoCodec/NVDEC cannot be
-    used, :class:`CodecError` when the stream does not decode to exactly
-    ``frames`` 4:4:4 pictures of the given size.
+    ``session``: an :class:`~vllm_kvcodec.gpu.nvdec_sessions.NvdecSession`
+    to reuse (the load path and the device check keep one per thread); without
+    one, a decoder is created for this call only. ``packet_sizes``: the
+    payload's packet table; without it the stream is cut into access units
+    (:func:`access_units`). Raises
+    :class:`NvCodecUnavailable` when PyNvVideoCodec/NVDEC cannot be used,
+    :class:`CodecError` when the stream does not decode to exactly ``frames``
+    4:4:4 pictures of the given size.
     """
-    nvc = _import_nvc()
+    from vllm_kvcodec.gpu.nvdec_sessions import NvdecSession
+
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise NvCodecUnavailable(f"NVDEC decodes into CUDA memory; {device} is not a usable CUDA device")
+    if session is None:
+        _import_nvc()
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise NvCodecUnavailable(f"NVDEC decodes into CUDA memory; {device} is not a usable CUDA device")
     data = bytes(stream)
     if not data.startswith(ANNEXB_START) and not data.startswith(ANNEXB_START[1:]):
         raise CodecError("not an Annex B elementary stream (no start code)")
+    packets = split_packets(data, packet_sizes) if packet_sizes is not None else access_units(data)
+    if len(packets) != frames:
+        raise CodecError(f"{len(packets)} packets for {frames} pictures")
     out = torch.empty((frames, PLANES, height, width), dtype=torch.uint8, device=device)
-    got = 0
-    with torch.cuda.device(device):
-        demuxer, codec_id, _how = _packets(nvc, data)
-        try:
-            decoder = nvc.CreateDecoder(gpuid=device.index or 0, codec=codec_id, cudacontext=0, cudastream=0,
-                                        usedevicememory=True)
-        except Exception as exc:  # noqa: BLE001
-            raise NvCodecUnavailable(f"CreateDecoder failed: {type(exc).__name__}: {exc}") from None
-
-        def take(decoded: Any) -> None:
-            nonlocal got
-            for frame in decoded:
-                if got >= frames:
-                    raise CodecError(f"HEVC stream holds more than the {frames} pictures promised")
-                out[got].copy_(_frame_planes(frame, width, height, device))
-                got += 1
-
-        try:
-            for packet in demuxer:
-                take(decoder.Decode(packet))
-            if got < frames and hasattr(nvc, "PacketData"):  # flush, where the demuxer did not
-                take(decoder.Decode(nvc.PacketData()))
-        except (CodecError, NvCodecUnavailable):
-            raise
-        except Exception as exc:  # noqa: BLE001 - PyNvVCExceptionDecode and friends
-            raise CodecError(f"NVDEC could not decode the stream: {type(exc).__name__}: {exc}") from None
-        torch.cuda.current_stream(device).synchronize()
-    if got != frames:
-        raise CodecError(f"HEVC stream decoded to {got} pictures, expected {frames}")
+    with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
+        decoder = session if session is not None else NvdecSession(device)
+        decoder.decode_into(packets, width, height, out)
     return out
+
+
+def _nullcontext() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def decode_video_payload_nvdec(
@@ -311,17 +310,24 @@ def decode_video_payload_nvdec(
     *,
     verify_hash: bool = True,
     planes_decoder: Callable[[bytes, int, int, int, torch.device], torch.Tensor] | None = None,
+    session: Any | None = None,
 ) -> torch.Tensor:
     """Decode a bfloat16 ``video``/``hevc`` *payload* of ``shape`` on the GPU (NVDEC + torch ops).
 
     ``verify_hash`` checks the payload's XXH3-64 of the exponent bytes (needs
     xxhash; one device-to-host copy of ``n`` bytes), as the CPU decoder does.
-    ``planes_decoder`` replaces NVDEC (the tests use libav).
+    ``planes_decoder`` replaces NVDEC (the tests use libav); ``session`` is
+    a decoder session to reuse (see :func:`nvdec_decode_planes`). The load
+    path does not come here: :mod:`vllm_kvcodec.load.cuda_placement` joins and
+    checks on the device (:mod:`.nvdec_join_triton`).
     """
     device = torch.device(device)
     parsed = parse_video_payload(payload, shape)
-    decoder = planes_decoder or nvdec_decode_planes
-    planes = decoder(bytes(parsed.stream), parsed.width, parsed.height, parsed.frames, device)
+    if planes_decoder is not None:
+        planes = planes_decoder(bytes(parsed.stream), parsed.width, parsed.height, parsed.frames, device)
+    else:
+        planes = nvdec_decode_planes(parsed.stream, parsed.width, parsed.height, parsed.frames, device,
+                                     packet_sizes=parsed.packet_sizes, session=session)
     exps = planes_to_exponents(planes, parsed.geometry)
     if verify_hash:
         import xxhash
@@ -338,6 +344,7 @@ def decode_video_chunk_nvdec(
     *,
     verify_hash: bool = True,
     planes_decoder: Callable[[bytes, int, int, int, torch.device], torch.Tensor] | None = None,
+    session: Any | None = None,
 ) -> torch.Tensor:
     """Decode a bfloat16 ``video``/``hevc`` chunk blob on the GPU: :func:`decode_video_payload_nvdec` after
     :func:`vllm_kvcodec.format.read_header` (which checks the header and the chunk checksum)."""
@@ -349,7 +356,7 @@ def decode_video_chunk_nvdec(
     if config.get("id") != "video" or config.get("backend") != "hevc" or header.dtype is not DType.BFLOAT16:
         raise ConfigError(f"NVDEC decodes bfloat16 'video' chunks with backend 'hevc', not {config} {header.dtype.name}")
     return decode_video_payload_nvdec(payload_of(blob, header), header.shape, device, verify_hash=verify_hash,
-                                      planes_decoder=planes_decoder)
+                                      planes_decoder=planes_decoder, session=session)
 
 
 # --------------------------------------------------------------------------------------
@@ -357,28 +364,55 @@ def decode_video_chunk_nvdec(
 # --------------------------------------------------------------------------------------
 
 
-def nvenc_encode_planes(planes: np.ndarray, **options: Any) -> bytes:
-    """Lossless HEVC 4:4:4 of ``[frames, 3, H, W]`` uint8 planes with NVENC (host input).
+#: NVENC settings for the ``video`` layout: lossless HEVC 4:4:4, every picture an IDR, no B-frames. Keys both
+#: PyNvVideoCodec 2.0.4 and 2.2.4 accept (CreateEncoder's Python wrapper is the same in both).
+NVENC_OPTIONS = {"codec": "hevc", "tuning_info": "lossless", "preset": "P1", "gop": "1", "idrperiod": "1", "bf": "0"}
 
-    Default options ask for lossless tuning; PyNvVideoCodec's option names
-    differ across versions, so failures surface as :class:`NvCodecUnavailable`.
+
+def nvenc_encode_pictures(planes: np.ndarray, **options: Any) -> list[bytes]:
+    """Lossless HEVC 4:4:4 of ``[frames, 3, H, W]`` uint8 planes with NVENC (host input): one packet per picture.
+
+    Runs on the caller's thread with NVENC's own CUDA stream (the saver's
+    background threads: never the engine's stream). Raises
+    :class:`NvCodecUnavailable` where NVENC cannot encode here, and
+    :class:`CodecError` when it does not give exactly one packet per picture
+    (the layout needs them apart).
     """
     nvc = _import_nvc()
     frames, _, height, width = planes.shape
-    params = {"codec": "hevc", "tuning_info": "lossless", "preset": "P1", "gop": "1", "bf": "0"}
-    params.update(options)
+    params = {**NVENC_OPTIONS, **options}
     try:
         encoder = nvc.CreateEncoder(width, height, "YUV444", True, **params)
     except Exception as exc:  # noqa: BLE001
         raise NvCodecUnavailable(f"NVENC encoder not available: {type(exc).__name__}: {exc}") from None
-    out = bytearray()
+    packets: list[bytes] = []
     try:
         for f in range(frames):
-            out += bytes(encoder.Encode(np.ascontiguousarray(planes[f]).reshape(-1)))
-        out += bytes(encoder.EndEncode())
+            if out := bytes(encoder.Encode(np.ascontiguousarray(planes[f]).reshape(-1))):
+                packets.append(out)
+        if tail := bytes(encoder.EndEncode()):
+            packets.append(tail)
     except Exception as exc:  # noqa: BLE001
         raise NvCodecUnavailable(f"NVENC encode failed: {type(exc).__name__}: {exc}") from None
-    return bytes(out)
+    if len(packets) != frames:
+        raise CodecError(f"NVENC gave {len(packets)} packets for {frames} pictures")
+    return packets
+
+
+def nvenc_encode_planes(planes: np.ndarray, **options: Any) -> bytes:
+    """:func:`nvenc_encode_pictures`' packets back to back: the elementary stream."""
+    return b"".join(nvenc_encode_pictures(planes, **options))
+
+
+_NVENC: tuple[bool, str] | None = None
+
+
+def nvenc_usable() -> tuple[bool, str]:
+    """:func:`nvenc_available`, probed once per process (the save path asks for every chunk)."""
+    global _NVENC
+    if _NVENC is None:
+        _NVENC = nvenc_available()
+    return _NVENC
 
 
 def nvenc_available() -> tuple[bool, str]:
@@ -397,5 +431,6 @@ def nvenc_available() -> tuple[bool, str]:
 
 __all__ = [
     "NvCodecUnavailable", "VideoPayload", "decode_video_chunk_nvdec", "decode_video_payload_nvdec", "join_bf16", "nvdec_available",
-    "nvdec_decode_planes", "nvenc_available", "nvenc_encode_planes", "parse_video_payload", "planes_to_exponents",
+    "nvdec_decode_planes", "nvenc_available", "nvenc_encode_pictures", "nvenc_encode_planes", "nvenc_usable",
+    "parse_video_payload", "planes_to_exponents", "split_packets", "access_units",
 ]

@@ -4,13 +4,22 @@ The :class:`~vllm_kvcodec.load.fetcher.Fetcher` fetches and validates each
 object on its I/O threads as for host memory; this placement supplies the rest:
 
 1. Into a pinned staging buffer (:class:`~vllm_kvcodec.gpu.staging.StagingPool`,
-   one per thread): the bf16 ``splitzip`` payload as is, or, for every other
-   codec, the tensor the CPU codec decodes; plus the slots (the scheduler's
-   list, checked on the host: no device sync).
+   one per thread): the bf16 ``splitzip`` payload as is; for a bf16 ``video``
+   (HEVC) object its sign+mantissa bytes (the stream goes to NVDEC); for every
+   other codec, the tensor the CPU codec decodes; plus the slots (the
+   scheduler's list, checked on the host against its group's cache: no device sync).
 2. On the side stream: H2D copies, then the Triton SplitZip decode (device-
    side validation flags copied back into the staging buffer), then an event
    the *I/O thread* waits on: the staging buffer is free again and the flags
    are read. A payload that fails its checks is never scattered.
+   A ``video`` object: an NVDEC session from a pool (:mod:`~vllm_kvcodec.gpu.nvdec_sessions`,
+   reused, as many as the GPU has NVDEC engines) decodes its stream into device
+   pictures; on the side stream the Triton join makes the bf16 values and the
+   XXH3 accumulators of their exponents (:mod:`~vllm_kvcodec.gpu.nvdec_join_triton`),
+   64 bytes copied back beside the slots; the I/O thread finishes the hash
+   and compares it with the payload's. Where NVDEC is missing (no
+   PyNvVideoCodec, no driver library, no decoder) the CPU codec decodes
+   (logged once).
 3. On the side stream: the Triton scatter of the whole layer group
    (:class:`~vllm_kvcodec.gpu.scatter_triton.PackedPages`, one launch) or, for
    layouts it does not cover and for layers of several vLLM KV cache groups
@@ -20,6 +29,10 @@ object on its I/O threads as for host memory; this placement supplies the rest:
    host only until that event *exists*, then makes the engine's current stream
    wait on it on the device: the engine's thread never synchronises with the GPU.
 
+Triton compiles a kernel on its first launch of each specialisation: the
+fetcher's threads would compile the same one at once, so :meth:`CudaPlacement.warm`
+launches them on the constructing thread first (on a CUDA device).
+
 Cancellation (the deadline passed) forbids new scatters as on the host, then
 makes the engine's stream wait for those already enqueued, so none can land
 after vLLM starts recomputing those blocks.
@@ -28,6 +41,7 @@ after vLLM starts recomputing those blocks.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,8 +50,12 @@ import torch
 from storage import Store
 from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
+from vllm_kvcodec.errors import CodecError
 from vllm_kvcodec.format import ChunkHeader, decode_payload, payload_of
-from vllm_kvcodec.gpu.launch import can_run_on
+from vllm_kvcodec.gpu import nvcodec
+from vllm_kvcodec.gpu.launch import can_run_on, interpreted
+from vllm_kvcodec.gpu.nvdec_join_triton import READBACK_BYTES, exponent_digest_into, finish_xxh3, join_exponents
+from vllm_kvcodec.gpu.nvdec_sessions import NvdecDecoders, PlanesSession, SessionPool
 from vllm_kvcodec.gpu.scatter_triton import check_slots, packed_pages_for
 from vllm_kvcodec.gpu.side_stream import SideStream
 from vllm_kvcodec.gpu.staging import StagingPool, align8, host_slots
@@ -92,23 +110,30 @@ class CudaPlacement(Placement):
     """Decode and scatter on the device of the caches (or, for tests, a CPU in Triton's interpreter)."""
 
     def __init__(self, caches: list[torch.Tensor], layouts: list[PagedLayout], threads: int,
-                 cache_groups: list[int] | None = None) -> None:
+                 cache_groups: list[int] | None = None,
+                 video_sessions: Callable[[torch.device], PlanesSession] | None = None) -> None:
+        """``video_sessions``: makes the decoder sessions for ``video`` objects (default: NVDEC where it works here)."""
         super().__init__(caches, layouts, cache_groups)
         self.device = caches[0].device
         if not can_run_on(self.device):
             raise ConfigError(f"the GPU load path cannot run Triton kernels on {self.device} in this process")
         self.side = SideStream(self.device)
         self.pages = packed_pages_for(caches, layouts)
-        self.num_slots = layouts[0].num_slots(caches[0])
+        self.group_slots = _slots_per_group(caches, layouts, self.cache_groups)
         self.staging = StagingPool(threads, pin=self.device.type == "cuda")
+        self.nvdec = NvdecDecoders(self.device, threads, video_sessions)
 
     def new_job(self, group_layers: list[list[int]], objects_per_group: int, req_ids: list[str]) -> CudaLoadJob:
         return CudaLoadJob(self.side, group_layers, objects_per_group, req_ids)
 
     def decode(self, blob: bytes, header: ChunkHeader, spans: list[Span]) -> Decoded:
         """Stage, copy and decode one object on the side stream; returns once its staging buffer is free."""
-        slots = [s for span in spans for s in span.slots]  # every group's, staged and copied at once
-        check_slots(slots, self.num_slots)
+        slots = self._checked_slots(spans)
+        if _video_on_device(header) and (pool := self.nvdec.pool()) is not None:
+            try:
+                return self._decode_video(blob, header, spans, slots, pool)
+            except nvcodec.NvCodecUnavailable as exc:  # no decoder can be made here: the CPU, from now on
+                self.nvdec.disable(str(exc))
         on_device = _on_device(header)
         if on_device:
             body = payload_of(blob, header)
@@ -139,8 +164,100 @@ class CudaPlacement(Placement):
                 copied = self.side.record()
             self.side.host_wait(copied)  # this I/O thread only: staging reusable, flags readable
             sz.raise_if_invalid(flags_host)
-        per_group = list(dev_slots.split([len(span.slots) for span in spans]))
-        return Decoded(kv, list(spans), on_device, per_group)
+        return Decoded(kv, list(spans), on_device, _per_group(dev_slots, spans))
+
+    def _checked_slots(self, spans: list[Span]) -> list[int]:
+        """Every group's slots in one list (staged and copied at once), each checked against its own group's cache."""
+        for group, span in enumerate(spans):
+            check_slots(span.slots, self.group_slots.get(group, 0) if span.slots else 0)
+        return [s for span in spans for s in span.slots]
+
+    def _decode_video(self, blob: bytes, header: ChunkHeader, spans: list[Span], slots: list[int],
+                      pool: SessionPool) -> Decoded:
+        """A bf16 ``video``/``hevc`` object: NVDEC -> device pictures, joined and checked on the device."""
+        parsed = nvcodec.parse_video_payload(payload_of(blob, header), header.shape)  # sizes, before anything is allocated
+        geo = parsed.geometry
+        at_slots = align8(geo.n)
+        at_back = at_slots + 8 * len(slots)
+        with self.staging.take(at_back + READBACK_BYTES) as host, pool.take() as session:
+            _copy_into(host[: geo.n], parsed.signman)
+            slots_host = host_slots(host, at_slots, slots)
+            back_host = host[at_back:]
+            with self.side.active():
+                planes = torch.empty((geo.frames, nvcodec.PLANES, geo.height, geo.width), dtype=torch.uint8,
+                                     device=self.device)
+                session.decode_into(nvcodec.split_packets(parsed.stream, parsed.packet_sizes), geo.width, geo.height,
+                                    planes)
+                dev_slots = torch.empty(len(slots), dtype=torch.int64, device=self.device)
+                dev_slots.copy_(slots_host, non_blocking=True)
+                signman = torch.empty(geo.n, dtype=torch.uint8, device=self.device)
+                signman.copy_(host[: geo.n], non_blocking=True)
+                values = torch.empty(geo.n, dtype=torch.int16, device=self.device)
+                join_exponents(planes, signman, geo, values)
+                back = torch.empty(READBACK_BYTES, dtype=torch.uint8, device=self.device)
+                exponent_digest_into(values, back)
+                back_host.copy_(back, non_blocking=True)
+                copied = self.side.record()
+            self.side.host_wait(copied)  # this I/O thread only; the session's surfaces are free again too
+            if finish_xxh3(back_host.numpy().tobytes(), geo.n) != parsed.exp_hash:
+                raise CodecError("video hevc stream decoded (NVDEC) to exponents that fail their checksum")
+        kv = values.view(torch.bfloat16).view(header.shape)
+        return Decoded(kv, list(spans), True, _per_group(dev_slots, spans))
+
+    def warm(self, object_shape: tuple[int, ...], tokens: int) -> None:
+        """Compile the kernels one object of ``object_shape`` launches, on this thread, before the fetch threads do.
+
+        Runs the SplitZip decode (bf16), the join and checksum kernels, and a
+        gather then scatter of the same bits (a full chunk and a partial one)
+        on the side stream; the caches keep their contents. A no-op in the
+        interpreter (nothing is compiled there).
+        """
+        if interpreted() and self.device.type == "cpu":
+            return
+        self._warm(object_shape, tokens)
+
+    def _warm(self, object_shape: tuple[int, ...], tokens: int) -> None:
+        n = int(np.prod(object_shape, dtype=np.int64))
+        dtype = self.caches[0].dtype
+        with self.side.active():
+            if dtype == torch.bfloat16 and n:
+                for escapes in _WARM_ESCAPES:  # Triton specialises int arguments on == 1 and % 16: each case once
+                    if n >= 32 * (escapes + 1):
+                        x = _with_escapes(n, escapes, self.device)
+                        payload = sz.encode_splitzip_gpu(x)
+                        buf = sz.device_payload_buffer(payload.numel(), n, self.device)
+                        buf.copy_(payload)
+                        sz.raise_if_invalid(sz.decode_splitzip_gpu_async(buf, n)[1])
+                geo = nvcodec._video_layout().geometry(tuple(object_shape))
+                planes = torch.zeros((geo.frames, nvcodec.PLANES, geo.height, geo.width), dtype=torch.uint8,
+                                     device=self.device)
+                values = torch.empty(geo.n, dtype=torch.int16, device=self.device)
+                join_exponents(planes, torch.zeros(geo.n, dtype=torch.uint8, device=self.device), geo, values)
+                exponent_digest_into(values, torch.empty(READBACK_BYTES, dtype=torch.uint8, device=self.device))
+            if self.pages is not None and len(object_shape) == 5 and tokens <= self.pages.num_slots:
+                self._warm_pages(object_shape, tokens)
+        if self.side.stream is not None:
+            self.side.stream.synchronize()  # start-up, not the engine's stream
+
+    def _warm_pages(self, object_shape: tuple[int, ...], tokens: int) -> None:
+        """Gather then scatter back the same slots (contents unchanged), for a whole chunk and a partial one."""
+        layers = object_shape[0]
+        if layers > len(self.caches):
+            return
+        whole = torch.empty(object_shape, dtype=self.caches[0].dtype, device=self.device)
+        starts = {0, layers} if 2 * layers <= len(self.caches) else {0}  # the pointer table's offset: 16-aligned or not
+        for layer in sorted(starts):
+            for first in (0, 1):
+                count = min(tokens, object_shape[2]) - first
+                if count < 1:
+                    continue
+                slots = torch.arange(count, dtype=torch.int64, device=self.device)
+                part = whole[:, :, first : first + count]
+                self.pages.gather(layer, slots, part)
+                self.pages.scatter(layer, part, slots)
+
+    def shutdown(self) -> None:
+        self.nvdec.close()
 
     def scatter(self, layers: range, decoded: Decoded) -> None:
         groups = {self.cache_groups[layer] for layer in layers}
@@ -169,9 +286,46 @@ class CudaFetcher(Fetcher):
 
     def __init__(self, store: Store, addresses: ObjectAddresses, caches: list[torch.Tensor],
                  layouts: list[PagedLayout], threads: int, *args: Any, **kwargs: Any) -> None:
-        placement = CudaPlacement(caches, layouts, threads, kwargs.pop("cache_groups", None))
+        placement = CudaPlacement(caches, layouts, threads, kwargs.pop("cache_groups", None),
+                                  video_sessions=kwargs.pop("video_sessions", None))
         super().__init__(store, addresses, caches, layouts, threads, *args, placement=placement, **kwargs)
         self.side, self.pages = placement.side, placement.pages
+        ns = addresses.namespace
+        first = self.groups[0][0]
+        shape = self.objects.object_shape(len(self.groups[0]), layouts[first], caches[first], ns.chunk_size)
+        placement.warm(tuple(shape), ns.chunk_size)
+
+
+_WARM_ESCAPES = (0, 1, 16, 17)
+
+
+def _with_escapes(n: int, escapes: int, device: torch.device) -> torch.Tensor:
+    """``n`` bf16 values over 16 common exponents, plus exactly ``escapes`` values of a rare one."""
+    x = torch.tensor([2.0**i for i in range(16)], dtype=torch.bfloat16).repeat(n // 16 + 1)[:n]
+    if escapes:
+        x[torch.linspace(0, n - 1, escapes).long()] = 2.0**-100
+    return x.to(device)
+
+
+def _per_group(dev_slots: torch.Tensor, spans: list[Span]) -> list[torch.Tensor]:
+    return list(dev_slots.split([len(span.slots) for span in spans]))
+
+
+def _slots_per_group(caches: list[torch.Tensor], layouts: list[PagedLayout], cache_groups: list[int]) -> dict[int, int]:
+    """Slots a group's spans may address: the fewest any of its layers holds (a sliding-window group can have its
+    own block size and count, so layer 0's figure is not every group's)."""
+    slots: dict[int, int] = {}
+    for cache, layout, group in zip(caches, layouts, cache_groups):
+        n = layout.num_slots(cache)
+        slots[group] = min(slots.get(group, n), n)
+    return slots
+
+
+def _video_on_device(header: ChunkHeader) -> bool:
+    """A bf16 HEVC ``video`` object, which NVDEC can decode (h264 4:4:4 and ffv1 it cannot)."""
+    config = header.codec_config
+    return (header.dtype is DType.BFLOAT16 and config.get("id") == "video" and config.get("backend") == "hevc"
+            and config.get("layout") == 1)
 
 
 def _on_device(header: ChunkHeader) -> bool:
