@@ -363,6 +363,9 @@ def sec_sm_interference(d: dict) -> None:
         except Exception as exc:  # noqa: BLE001 - one decoder failing must not lose the others
             d[name] = f"error: {type(exc).__name__}: {exc}"
         _log(f"{name}: {d[name]}")
+    failed = {name: d[name] for name in cases if str(d[name]).startswith("error")}
+    if failed:  # each row is kept above; the section must not read "ok" with a decoder missing
+        raise RuntimeError(f"decoders failed under the GEMM: {failed}")
 
 
 def _under_gemm(codec: str, sessions: Any) -> dict:
