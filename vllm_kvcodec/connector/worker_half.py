@@ -119,12 +119,13 @@ class WorkerHalf:
         self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered, threads.fetch,
                                               self.stats, self.chooser.observe_read,
                                               cache_groups=self.layer_cache_groups, decode_threads=threads.decode)
-        self.saver = Saver(self.store, addresses, self.chooser, self.config.save_threads,
-                           self.config.max_pending_save_bytes, self.stats, report=self._save_settled,
-                           nice=self.config.save_thread_nice)
-        self.save_gather = save_gather_for(caches, ordered, self.saver, self.layer_cache_groups, self.objects)
+        if addresses.saves:  # a replicated cache (MLA latent, TP > 1) is written by rank 0 only; the others load
+            self.saver = Saver(self.store, addresses, self.chooser, self.config.save_threads,
+                               self.config.max_pending_save_bytes, self.stats, report=self._save_settled,
+                               nice=self.config.save_thread_nice)
+            self.save_gather = save_gather_for(caches, ordered, self.saver, self.layer_cache_groups, self.objects)
         self.chooser.token_axis = self.objects.token_axis
-        if self.chooser.auto and self.config.save:  # a load-only instance chooses no codec: it writes nothing
+        if self.chooser.auto and self.config.save and addresses.saves:  # a rank that writes nothing chooses no codec
             self._probe_link(addresses)
         logger.info("kvcodec: %d KV layers, %d per stored object (%d KV cache groups: %s), layout %s, store %s, "
                     "codec %s, %d fetch / %d decode threads", len(names), len(self.groups[0]), len(self.cache_groups.groups),
