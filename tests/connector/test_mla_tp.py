@@ -187,7 +187,7 @@ def test_tp2_latent_is_saved_once_by_rank_0_and_loaded_bit_exactly_by_every_rank
     assert [r["tp_rank"] for r in saved] == [0, 1] and all(r["replicated"] for r in saved)
     assert saved[0]["cache_digest"] == saved[1]["cache_digest"], "every rank computed the same latent bits"
     assert saved[0]["stats"]["saved_objects"] == 2 and not saved[1]["stats"].get("saved_objects"), saved
-    assert [r["has_saver"] for r in saved] == [True, False]
+    assert [r["saves"] for r in saved] == [True, False]
     ns = saved[0]["namespace"]
     keys = [object_key(ns, h, 0, 0) for h in chunk_hashes(ns, ids, 2)]
     assert all(k.endswith("/allg000") for k in keys)
@@ -220,6 +220,6 @@ def rank_state(worker: Any, url: str | None = None) -> dict[str, Any]:
             check = "ok"
         except AssertionError as exc:
             check = f"rank {w.tp_rank}: {exc}"
-    return {"tp_rank": w.tp_rank, "replicated": w.namespace.kv_replicated, "has_saver": w.saver is not None,
+    return {"tp_rank": w.tp_rank, "replicated": w.namespace.kv_replicated, "saves": w.config.save,
             "namespace": dataclasses.replace(w.namespace), "stats": conn.stats(), "cache_digest": digest.hexdigest(),
             "check": check}
