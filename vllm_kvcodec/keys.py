@@ -5,11 +5,13 @@ model identity (weights fingerprint), dtype (``fp8_e4m3`` / ``fp8_e5m2`` for fp8
 caches, with a digest of their per-layer scales), KV geometry, the content layout,
 the compute identity (platform, kernels, versions; see identity.py),
 tensor-parallel size, chunking, layer grouping and format version, plus an
-optional deployment salt. A chunk's key covers the whole prefix up to it
+optional deployment salt, and whether every rank holds the same KV (``kv_replicated``). A chunk's key covers the whole prefix up to it
 (``h_i = H(h_{i-1} || tokens_i || media_i)``, seeded by the request's salt and
 LoRA), so equal keys mean equal prefixes in equal contexts. XXH3-128 over explicit little-endian bytes:
 stable across processes, machines and Python versions (no ``hash()``, no pickle).
-The tensor-parallel rank and the layer group are path parts of the object key.
+The tensor-parallel rank and the layer group are path parts of the object key;
+a replicated cache (MLA's latent under tensor parallelism: every rank holds the
+whole latent) has one object per layer group, ``all`` in place of the rank.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ class Namespace:
     # not need them keeps the digest (and the stored chunks) it had.
     kv_scales: str = ""  # fp8 caches: digest of the per-layer (k_scale, v_scale), see connector/cache_identity.py
     attention: str = ""  # each layer's attention kind ("window:W", "full") unless all are plain full attention
+    # Every tensor-parallel rank holds the same KV (MLA's latent with TP > 1): one object per layer group, saved by
+    # one rank and loaded by all (see object_key). In the digest: a deployment that stored one object per rank
+    # before this rule never finds half of a chunk under the other scheme.
+    kv_replicated: bool = False
 
     @functools.cached_property
     def digest(self) -> str:
@@ -65,7 +71,7 @@ class Namespace:
         return [range(i, min(i + per, self.num_layers)) for i in range(0, self.num_layers, per)]
 
 
-_OPTIONAL_FIELDS = ("kv_scales", "attention")
+_OPTIONAL_FIELDS = ("kv_scales", "attention", "kv_replicated")
 
 
 def chunk_hashes(
@@ -147,13 +153,21 @@ def object_key(namespace: Namespace, chunk_hash: str, tp_rank: int, group: int) 
 
     ``kvc/<namespace>/<chunk>/r<rank>g<group>``: the chain is shared by all
     tensor-parallel ranks (same tokens), the shard and layer group are not.
+    A replicated cache's object is every rank's: ``kvc/<namespace>/<chunk>/allg<group>``.
     """
-    return f"{KEY_PREFIX}/{namespace.digest[:16]}/{chunk_hash}/r{tp_rank}g{group:03d}"
+    shard = "all" if namespace.kv_replicated else f"r{tp_rank}"
+    return f"{KEY_PREFIX}/{namespace.digest[:16]}/{chunk_hash}/{shard}g{group:03d}"
+
+
+def stored_ranks(namespace: Namespace, tp_size: int) -> range:
+    """The ranks whose objects a chunk is made of: each rank's shard, or one object for all (replicated)."""
+    return range(1) if namespace.kv_replicated else range(tp_size)
 
 
 def chunk_object_keys(namespace: Namespace, chunk_hash: str, tp_size: int, num_groups: int) -> list[str]:
-    """Every object of one chunk: each tensor-parallel rank's shard of each layer group (what a lookup must find)."""
-    return [object_key(namespace, chunk_hash, r, g) for r in range(tp_size) for g in range(num_groups)]
+    """Every object of one chunk: each tensor-parallel rank's shard of each layer group (what a lookup must find),
+    so a chunk one rank lacks is a miss for all of them: no rank loads what another must recompute."""
+    return [object_key(namespace, chunk_hash, r, g) for r in stored_ranks(namespace, tp_size) for g in range(num_groups)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,3 +180,9 @@ class ObjectAddresses:
 
     def key(self, chunk_hash: str, group: int) -> str:
         return object_key(self.namespace, chunk_hash, self.tp_rank, group)
+
+    @property
+    def saves(self) -> bool:
+        """Whether this rank writes its objects: always, but for a replicated cache only rank 0 does (one writer
+        per key; every deployment has a rank 0; the other ranks hold the same bits and only load)."""
+        return not self.namespace.kv_replicated or self.tp_rank == 0

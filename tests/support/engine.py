@@ -95,7 +95,7 @@ def pool_torch_threads(conn: Any) -> set[int]:
 
 
 def assert_paged_kv_equals_stored(conn: Any, url: str) -> None:
-    """The last load's slots, read back through each layer's layout, are the stored chunks' bits.
+    """The last load's slots, read back through each layer's layout, are the stored chunks' bits (this worker's rank's).
 
     Per KV cache group: each layer is compared on its own group's span (a
     sliding-window layer on its window's blocks only). Paged KV is compared in
@@ -116,7 +116,7 @@ def assert_paged_kv_equals_stored(conn: Any, url: str) -> None:
     with open_store(url) as store:
         for chunk in spec.chunks:
             for g, layers in enumerate(worker.groups):
-                raw = decode_chunk(store.get(object_key(worker.namespace, chunk.chunk_hash, 0, g)))
+                raw = decode_chunk(store.get(object_key(worker.namespace, chunk.chunk_hash, worker.tp_rank, g)))
                 assert raw.dtype == worker.layouts[0].dtype
                 stored = worker.objects.canonical(raw, worker.layouts[layers.start])  # pages or canonical KV
                 for i, layer in enumerate(layers):

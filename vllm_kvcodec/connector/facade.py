@@ -256,7 +256,9 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig, cache_gr
     """Everything that must match for two engines to share chunks (see keys.py)."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
-        raise ConfigError("KVCodecConnector does not support pipeline parallelism yet")
+        raise ConfigError(f"KVCodecConnector does not support pipeline parallelism (pipeline_parallel_size="
+                          f"{parallel.pipeline_parallel_size}): each stage holds only its own layers, and chunk keys "
+                          "have no stage in them; see docs/parallelism.md")
     dtype = cache_dtype_name(vllm_config.cache_config.cache_dtype, model.dtype)
     return Namespace(
         model_id=config.model_id or model_identity(model.model, model.revision, model.quantization),
@@ -271,7 +273,15 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig, cache_gr
         salt=config.salt,
         compute="" if config.share_across_platforms else compute_identity(vllm_config),
         attention=_attention(cache_groups, kv_cache_config),
+        kv_replicated=_replicated(model, parallel),
     )
+
+
+def _replicated(model: Any, parallel: Any) -> bool:
+    """Whether every tensor-parallel rank holds the same KV: MLA's latent (one shared "head", which vLLM does not
+    split across ranks) with TP > 1, unless decode context parallelism splits its tokens across them instead."""
+    return (parallel.tensor_parallel_size > 1 and bool(getattr(model, "use_mla", False))
+            and getattr(parallel, "decode_context_parallel_size", 1) == 1)
 
 
 def _on_cpu() -> bool:

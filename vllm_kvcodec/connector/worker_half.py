@@ -61,6 +61,9 @@ PROBE_BYTES = 4 << 20
 class WorkerHalf:
     def __init__(self, vllm_config: "VllmConfig", config: ConnectorConfig, namespace: Namespace, groups: list[range],
                  tp_rank: int, cache_groups: CacheGroups) -> None:
+        if not ObjectAddresses(namespace, tp_rank, ()).saves:
+            # A replicated cache (MLA's latent, TP > 1) is written by rank 0 only: one writer per key; this rank loads.
+            config = config.model_copy(update={"save": False})
         self.vllm_config, self.config, self.namespace = vllm_config, config, namespace
         self.groups, self.tp_rank, self.cache_groups = groups, tp_rank, cache_groups
         self.stats = ConnectorStats()
@@ -340,7 +343,7 @@ class WorkerHalf:
 
     # ---- save -----------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: KVCodecMetadata) -> None:
-        if not meta.saves or self.save_gather is None:
+        if not meta.saves or self.save_gather is None or not self.config.save:
             return
         layer = self._layer_of.get(layer_name)
         if layer is None or layer_name in self._shared:
@@ -349,8 +352,8 @@ class WorkerHalf:
 
     def wait_for_save(self, meta: KVCodecMetadata | None) -> None:
         self._finish_sync_load()  # a save of this step is only good if this step's loads were
-        if meta is None or not meta.saves or self.save_gather is None:
-            return
+        if meta is None or not meta.saves or self.save_gather is None or not self.config.save:
+            return  # nothing planned, or this rank writes nothing (the scheduler plans for every rank at once)
         for spec, reason in self.save_gather.end_step(meta.saves, self._computed_over_good_kv):
             if reason == "incomplete":
                 self.stats.add(saves_incomplete=1)
