@@ -241,3 +241,27 @@ def test_reads_in_memory_of_a_cache_url_is_its_far_stores(tmp_path: Path) -> Non
     assert not reads_in_memory(f"cache+redis://h:1/0?near=file://{tmp_path}/n&near_bytes=1M")
     with tier(f"memory://{name()}") as t:
         assert t.reads_in_memory and not t.ranged_reads
+
+
+def test_tier_counters_reach_the_connectors_metrics_through_the_outage_guard() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from storage.outage import OutageGuard
+    from tests.connector.test_prom_metrics import get, prom
+    from vllm_kvcodec.connector.transfer_stats import KVCodecTransferStats
+    from vllm_kvcodec.stats import ConnectorStats, StoreTierCounters
+
+    far_name = name()
+    MemoryStore(far_name).put("kvc/n/0", value(0))
+    store = OutageGuard(f"cache+memory://{far_name}?near=memory://&near_bytes=1M", open_store)  # as the connector opens it
+    stats, tiers, registry = ConnectorStats(), StoreTierCounters(store), CollectorRegistry()
+    metrics = prom(registry)
+    for _ in range(3):
+        store.get("kvc/n/0")
+        tiers.add_growth(stats)  # what the connector does each time vLLM takes its stats
+        metrics.observe(KVCodecTransferStats(data=stats.take_interval()).data)
+    assert get(registry, "vllm:kvcodec_tier_reads_total", tier="near") == 2
+    assert get(registry, "vllm:kvcodec_tier_reads_total", tier="far") == 1
+    assert get(registry, "vllm:kvcodec_tier_read_bytes_total", tier="far") == 1000
+    assert get(registry, "vllm:kvcodec_tier_read_bytes_total", tier="near") == 2000
+    store.close()
