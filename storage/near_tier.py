@@ -207,7 +207,11 @@ class NearTier(Store):
         return self._exists_many([key])[0]
 
     def _exists_many(self, keys: list[str]) -> list[bool]:
-        found = self.near.exists_many(keys)
+        try:
+            found = self.near.exists_many(keys)
+        except StoreError as exc:  # a near tier that fails is empty: the far store answers
+            self._warn("near tier lookup failed, asking the far store: %s", exc)
+            found = [False] * len(keys)
         lacking = [i for i, ok in enumerate(found) if not ok]
         if lacking:
             self._add(far_lookups=len(lacking))

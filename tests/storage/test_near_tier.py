@@ -265,3 +265,39 @@ def test_tier_counters_reach_the_connectors_metrics_through_the_outage_guard() -
     assert get(registry, "vllm:kvcodec_tier_read_bytes_total", tier="far") == 1000
     assert get(registry, "vllm:kvcodec_tier_read_bytes_total", tier="near") == 2000
     store.close()
+
+
+def test_the_fetcher_reads_in_place_from_a_file_near_tier_and_recovers_from_a_damaged_copy(tmp_path: Path) -> None:
+    """The real Fetcher, raw page objects: the first load reads the far store (and fills the near tier), the second
+    reads the near files straight into the pages, a damaged near copy fails its blocks once and is read far again."""
+    from storage.outage import OutageGuard
+    from tests.connector.test_reads_in_place import DEST, Setup, _check_loaded
+    from vllm_kvcodec.paged import CpuAttnVecLayout
+
+    s = Setup(tmp_path, CpuAttnVecLayout)  # its objects in a file store: the far store here
+    url = f"cache+{s.url}?near=file://{tmp_path}/near&near_bytes=64M"
+    store = OutageGuard(url, open_store)  # as the connector opens it
+    try:
+        tier = store.inner
+        assert store.ranged_reads
+        caches, stats, failed = s.load(store, DEST)  # near misses: read far, as bytes
+        assert not failed
+        _check_loaded(s, caches)
+        assert tier.tier_counters()["far_reads"] == 6 and tier.tier_counters()["near_fills"] == 6
+        caches, stats, failed = s.load(store, DEST)  # near hits, read in place
+        assert not failed and stats.totals()["objects_read_in_place"] == 6
+        _check_loaded(s, caches)
+        assert tier.tier_counters()["near_hits"] == 6 and tier.tier_counters()["far_reads"] == 6
+        victim = next(p for p in sorted((tmp_path / "near").rglob("*")) if p.is_file() and not p.name.startswith("."))
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2] ^= 0x40
+        victim.write_bytes(bytes(raw))
+        caches, stats, failed = s.load(store, DEST)
+        assert failed and tier.tier_counters()["near_damaged"] == 1  # that object's blocks are recomputed
+        caches, stats, failed = s.load(store, DEST)  # and the next load has it from the far store again
+        assert not failed
+        _check_loaded(s, caches)
+        assert tier.tier_counters()["far_reads"] == 7
+    finally:
+        store.close()
+        s.store.close()
