@@ -6,12 +6,16 @@ Starts a private redis-server, then runs :func:`vllm_kvcodec.tools.bench.serve.r
 host falls on both alike:
 
 - far only: ``link+redis://...?gbps=1&rtt_ms=10``
-- near tier: ``cache+link+redis://...?gbps=1&rtt_ms=10&near=memory://bench-near&near_bytes=2GiB``
-  (a fresh in-process near tier per server, shared by its scheduler and worker halves)
+- near tier: ``cache+link+redis://...?gbps=1&rtt_ms=10&near=file://<dir>&near_bytes=2GiB``, one near
+  directory per repeat on this host: the ``save`` server writes it and the far store, the ``load`` server (a
+  restart on the same host) finds the prefixes near.
 
-The workload has more distinct prefixes than the engine's own KV cache holds
-(set ``VLLM_CPU_KVCACHE_SPACE=1``), so a prefix that comes back has often been
-evicted locally and is loaded again: from the far store, or from the near tier.
+What this shows is the load server's TTFT when the prefixes it serves again
+come from the far store over the emulated link, or from the host's near tier;
+and the far-store bytes it reads per request. (A workload with more distinct
+prefixes than the engine's KV cache, so that one server reloads its own
+evicted prefixes, ran over 12 minutes per server on the shared 2-core host and
+was stopped.)
 Per load run it prints TTFT p50/p99 and the far-store bytes read per request
 (``loaded_bytes`` without a near tier; the near tier's far reads with one).
 Writes bench-results/near_tier_serve.json.
@@ -21,14 +25,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from storage.testing.redis_server import start_redis_server
 from vllm_kvcodec.tools.bench import serve
 
-WORKLOAD = {"num_prompts": 192, "prefix_len": 1024, "suffix_len": 32, "num_prefixes": 64, "output_len": 4,
-            "request_rate": "4"}
+WORKLOAD = {"num_prompts": 24, "prefix_len": 1024, "suffix_len": 32, "num_prefixes": 4, "output_len": 4,
+            "request_rate": "inf"}
 
 
 def far_bytes(counters: dict[str, float]) -> float:
@@ -43,11 +49,13 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     server = start_redis_server()
     rows = []
+    near_root = ""
     try:
         link = "gbps=1&rtt_ms=10"
-        configs = {"far only": f"link+{server.url}?{link}",
-                   "near tier": f"cache+link+{server.url}?{link}&near=memory://bench-near&near_bytes=2GiB"}
+        near_root = tempfile.mkdtemp(prefix="kvcodec-near-")
         for r in range(repeats):
+            configs = {"far only": f"link+{server.url}?{link}",
+                       "near tier": f"cache+link+{server.url}?{link}&near=file://{near_root}/r{r}&near_bytes=2GiB"}
             for label in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
                 result = serve.run(output=Path(f"bench-results/near_tier_serve_{label.replace(' ', '_')}_{r}.json"),
                                    repeats=1, store=configs[label], **WORKLOAD)
@@ -64,6 +72,7 @@ def main() -> None:
                       flush=True)
     finally:
         server.stop()
+        shutil.rmtree(near_root, ignore_errors=True)
     out = Path("bench-results/near_tier_serve.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": "near_tier_serve", "workload": WORKLOAD, "rows": rows,

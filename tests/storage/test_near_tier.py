@@ -301,3 +301,33 @@ def test_the_fetcher_reads_in_place_from_a_file_near_tier_and_recovers_from_a_da
     finally:
         store.close()
         s.store.close()
+
+
+def test_the_connector_in_vllms_scheduler_loads_through_a_near_tier_and_reports_its_counters(tmp_path: Path) -> None:
+    """Both halves of the real connector in vLLM's real Scheduler (tests.support.scheduler_harness): a producer
+    saves through its near tier into the far store, a consumer with its own near tier loads from far, right KV."""
+    import warnings
+
+    from tests.support.scheduler_harness import Engine, loaded_tokens, prompt
+
+    far = f"file://{tmp_path}/far"
+    p = prompt(300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        producer = Engine(tmp_path, f"cache+{far}?near=memory://{name()}&near_bytes=64M")
+        producer.add("a", p, max_tokens=1)
+        producer.run()
+        producer.flush()
+        producer.assert_empty()
+        producer.shutdown()  # closing the store waits for its far writes
+        assert len(list(FileStore(tmp_path / "far").keys())) > 0
+        consumer = Engine(tmp_path, f"cache+{far}?near=memory://{name()}&near_bytes=64M")
+        consumer.add("b", p[:250] + prompt(30, 1), max_tokens=3)
+        consumer.run()  # the harness checks every step's KV bit for bit
+        assert loaded_tokens(consumer, "b") == 250 // 32 * 32
+        consumer.worker.get_kv_connector_stats()
+        totals = consumer.worker.worker.stats.totals()
+        assert totals["tier_far_reads"] == totals["loaded_objects"] > 0
+        assert totals["tier_far_read_bytes"] == totals["loaded_bytes"]
+        consumer.assert_empty()
+        consumer.shutdown()
