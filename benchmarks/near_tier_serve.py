@@ -42,9 +42,8 @@ CONNECTOR = {"codec": "rans", "save_thread_nice": 0, "save_codec_when_behind": "
 
 def far_bytes(counters: dict[str, float]) -> float:
     """Bytes the load server read from the far store."""
-    if any(k.startswith("tier_read_bytes") for k in counters):
-        return counters.get("tier_read_bytes{tier=far}", 0.0)
-    return counters.get("loaded_bytes", 0.0)
+    near, far = counters.get("tier_read_bytes{tier=near}", 0.0), counters.get("tier_read_bytes{tier=far}", 0.0)
+    return far if near + far > 0 else counters.get("loaded_bytes", 0.0)  # the series exist (at 0) without a tier
 
 
 def main() -> None:
