@@ -78,6 +78,7 @@ class SizeCap:
         self.root = root
         self.max_bytes = max_bytes
         self._target = int(max_bytes * low_water)
+        self.evicted = 0  # objects this handle evicted (a near tier's eviction counter)
         self._thread_lock = threading.Lock()  # flock does not exclude threads sharing one descriptor
         self._fd = os.open(os.path.join(root, ".usage"), os.O_RDWR | os.O_CREAT, 0o644)
         with self._locked():
@@ -133,6 +134,7 @@ class SizeCap:
                     break
                 unlink_quietly(path)
                 total -= size
+                self.evicted += 1
         self._write_total(total)
 
     def _measure(self) -> list[tuple[int, int, str]]:

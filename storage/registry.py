@@ -22,6 +22,8 @@ Schemes:
   (:mod:`storage.testing.link`, for benchmarks).
 - ``faults+<url>?seed=S&drop=P&truncate=P&corrupt=P&delay=P&delay_s=D&swap=P&down=0``:
   the store behind seeded fault injection (:mod:`storage.testing.faults`, for tests).
+- ``cache+<url>?near=file:///nvme/kv&near_bytes=200G`` (or ``near=memory://``): the
+  store (far) behind a near tier on this host (:mod:`storage.near_tier`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ for _s in (
            needs="Debian's libibverbs1, even for TCP"),
     Scheme("link", "storage.testing.link:from_url", "link+<url>?gbps=10&rtt_ms=0.2", wrapper=True),
     Scheme("faults", "storage.testing.faults:from_url", "faults+<url>?seed=1&drop=0.1", wrapper=True),
+    Scheme("cache", "storage.near_tier:from_url", "cache+<url>?near=file:///nvme/kv&near_bytes=200G", wrapper=True),
 ):
     register_scheme(_s)
 
@@ -109,6 +112,10 @@ def reads_in_memory(url: str) -> bool:
     wrapper says no: ``link+`` emulates a network, ``faults+`` is for tests.
     """
     scheme = scheme_of(url)
+    if scheme.name == "cache":  # answers as its far store does: keys must match the fleet's
+        from storage.near_tier import far_url
+
+        return reads_in_memory(far_url(url))
     if scheme.name == "memory":
         return True
     if scheme.name == "file":

@@ -66,6 +66,33 @@ class ConnectorStats:
             return out
 
 
+class StoreTierCounters:
+    """The growth of a store's per-tier counters (a ``cache+`` near tier's), as ``tier_<name>`` stats keys.
+
+    Why here: the store counts what each tier did (it alone knows a near hit
+    from a far read); the connector reports the growth of those totals with
+    each interval, as it reports its own counters.
+    """
+
+    def __init__(self, store: object) -> None:
+        self._root, self._store = store, None
+        self._reported: dict[str, int] = {}
+
+    def add_growth(self, stats: ConnectorStats) -> None:
+        if self._store is None:  # looked for each time until found: an outage guard opens its store late
+            store = self._root
+            while store is not None and not hasattr(store, "tier_counters"):
+                store = getattr(store, "inner", None)  # wrappers (outage guard, read-only) link to what they wrap
+            if store is None:
+                return
+            self._store = store
+        now = self._store.tier_counters()
+        growth = {f"tier_{k}": v - self._reported.get(k, 0) for k, v in now.items() if v > self._reported.get(k, 0)}
+        self._reported = now
+        if growth:
+            stats.add(**growth)
+
+
 def counters(data: dict[str, Any]) -> dict[str, float]:
     """The counters of an interval's data, without its samples."""
     return {k: v for k, v in data.items() if k != SAMPLES}

@@ -40,7 +40,7 @@ from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
 from vllm_kvcodec.connector.scheduler_half import SchedulerHalf
 from vllm_kvcodec.connector.transfer_stats import KVCodecTransferStats
 from vllm_kvcodec.connector.vllm_logging import follow_vllm_logging
-from vllm_kvcodec.stats import summarize
+from vllm_kvcodec.stats import StoreTierCounters, summarize
 from vllm_kvcodec.connector.worker_half import WorkerHalf
 
 if TYPE_CHECKING:
@@ -95,6 +95,7 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
         self.created = next(_CREATED)
         self._last_log = time.monotonic()
         self._outages_reported = 0
+        self._tier_counters: StoreTierCounters | None = None  # a cache+ store's near/far counters (set on first stats)
         _LIVE.add(self)
 
     # ---- worker side ----------------------------------------------------------------
@@ -136,6 +137,8 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
         if half is None:
             return None
         self._count_store_outages(half)
+        self._tier_counters = self._tier_counters or StoreTierCounters(half.store)
+        self._tier_counters.add_growth(half.stats)
         self._maybe_log(half)
         data = half.stats.take_interval()
         return KVCodecTransferStats(data=data) if data else None

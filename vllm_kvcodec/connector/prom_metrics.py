@@ -95,6 +95,18 @@ COUNTERS: tuple[CounterSpec, ...] = (
     CounterSpec("store_down", "Times the store went down (up -> down transitions), by the side that saw it.",
                 {"scheduler": "store_down_scheduler", "worker": "store_down_worker"}, label="side"),
     _plain("samples_dropped", "Histogram samples dropped to keep one step's report bounded.", "samples_dropped"),
+    CounterSpec("tier_reads", "Objects read through a cache+ store, by the tier that had them (near, far).",
+                {"near": "tier_near_hits", "far": "tier_far_reads"}, label="tier"),
+    CounterSpec("tier_read_bytes", "Bytes read through a cache+ store, by the tier they came from (near, far).",
+                {"near": "tier_near_read_bytes", "far": "tier_far_read_bytes"}, label="tier"),
+    _plain("tier_far_lookups", "Keys a cache+ store's lookups asked the far store about (the near tier lacked them).",
+           "tier_far_lookups"),
+    _plain("tier_near_evictions", "Objects a cache+ store's near tier evicted to stay within near_bytes.",
+           "tier_near_evictions"),
+    _plain("tier_near_damaged", "Damaged near copies dropped (and read again from the far store).", "tier_near_damaged"),
+    CounterSpec("tier_far_writes", "Objects a cache+ store wrote to its far store in the background, by outcome "
+                "(failed: the near copy was dropped too).",
+                {"ok": "tier_far_writes", "failed": "tier_far_write_failures"}, label="outcome"),
 )
 
 
