@@ -172,7 +172,7 @@ class Engine:
         self, root: Path, store: str, *, block_size: int = 16, chunk_size: int = 32, num_blocks: int = 96,
         max_batched: int = 256, max_seqs: int = 8, policy: str | None = None, async_scheduling: bool = False,
         hooks: dict[str, Callable[..., None]] | None = None, windows: list[int | None] | None = None,
-        cache_dtype: str | None = None, settle_lookups: bool = True, **extra: Any,
+        cache_dtype: str | None = None, settle_lookups: bool = True, kv_role: str = "kv_both", **extra: Any,
     ) -> None:
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                                  VllmConfig, set_current_vllm_config)
@@ -195,7 +195,7 @@ class Engine:
         self.kv_dtype = FP8[cache_dtype] if cache_dtype else torch.bfloat16
         transfer: dict[str, Any] = {
             "kv_connector": "KVCodecConnector", "kv_connector_module_path": "vllm_kvcodec.connector",
-            "kv_role": "kv_both",
+            "kv_role": kv_role,
             "kv_connector_extra_config": {"store": store, "chunk_size": chunk_size, "codec": "raw",
                                           "model_id": "scheduler-harness", **extra},
         }
