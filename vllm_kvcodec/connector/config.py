@@ -56,6 +56,7 @@ class ConnectorConfig(BaseModel):
     save: bool | None = Field(None, description="Save new full prefix chunks. Unset: as vLLM's kv_role says (kv_producer and kv_both save, kv_consumer does not); set, an explicit override, and false on a kv_producer or true on a kv_consumer is a start-up error.")
     load: bool | None = Field(None, description="Load stored prefix chunks. Unset: as vLLM's kv_role says (kv_consumer and kv_both load, kv_producer does not); set, an explicit override, and false on a kv_consumer or true on a kv_producer is a start-up error.")
     lookup: Literal["auto", "sync", "async"] = Field("auto", description="How the scheduler asks the store which chunks it holds. async: a new request's existence checks go to a background thread, batched over every request of the step in one store call (plus one for prompt tails), and vLLM asks again next step (the request waits one step or more; no step waits for the store). sync: the check runs inside vLLM's scheduler loop, one store round trip per new request, and every running request waits for it. auto: sync for a store whose reads are memory copies on this host (file, memory: a check costs microseconds, less than the step a request would wait), else async (see docs/architecture.md).")
+    prefetch_bytes: int = Field(256 << 20, ge=0, description="Host memory (bytes, per worker) for objects fetched ahead: once a lookup has found a request's chunks and the request still waits (for blocks, or behind other prefills), the worker fetches them, and the load takes them instead of asking the store (checked like any fetched object: header, checksum, key binding). What does not fit is fetched at load time. Only for stores across a network (not file or memory stores, whose reads are memory copies). 0: off.")
     lookup_timeout_s: float = Field(2.0, gt=0, description="An asynchronous lookup the store has not answered by then is a miss (counted as lookup_timeouts): the request computes its prefix instead of waiting on a store that hangs.")
     lookup_queue: int = Field(64, ge=1, description="Batches of asynchronous lookups (one per scheduler step) waiting for the lookup thread; a step's batch that finds the queue full is answered as misses at once (counted as lookups_queue_full), so a slow store never makes requests pile up behind it.")
     log_interval_s: float = Field(30.0, ge=0, description="Seconds between the connector's `kvcodec worker:` / `kvcodec scheduler:` log lines of totals (0: never); logged while the engine steps.")
@@ -122,6 +123,12 @@ class ConnectorConfig(BaseModel):
         if self.lookup == "auto":
             return "sync" if reads_in_memory(self.store) else "async"
         return self.lookup
+
+    def prefetches(self) -> bool:
+        """Whether hits are fetched ahead: a budget, loads at all, and a store whose reads cross a network."""
+        from storage import reads_in_memory
+
+        return self.prefetch_bytes > 0 and self.load is not False and not reads_in_memory(self.store)
 
     def check_block_size(self, block_size: int) -> None:
         if self.chunk_size % block_size:

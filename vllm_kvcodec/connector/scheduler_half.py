@@ -49,7 +49,8 @@ from vllm_kvcodec.identity import PromptIdentity, prompt_identity
 from vllm_kvcodec.keys import Namespace, chunk_object_keys, extend_chunk_hashes, tail_hash, tail_position
 from vllm_kvcodec.connector.load_ledger import LoadLedger
 from vllm_kvcodec.connector.lookup import Answer, AsyncLookup, Question, Tail, answer_questions, tail_candidates
-from vllm_kvcodec.connector.metadata import ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec, SaveOutcome, SaveSpec
+from vllm_kvcodec.connector.metadata import (ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec,
+                                              PrefetchSpec, SaveOutcome, SaveSpec)
 from vllm_kvcodec.paged.slots import slots_for_tokens
 from vllm_kvcodec.spans import Span
 from vllm_kvcodec.connector.save_claims import SaveClaims
@@ -92,6 +93,7 @@ class _Tracked:
     tail_save: str = ""  # the key its own tail was saved under
     awaiting_room: dict[int, int] = dataclasses.field(default_factory=dict)  # chunk (TAIL: tail) -> bytes it needs
     waiting_on: set[str] = dataclasses.field(default_factory=set)  # chunks it left to another request's save
+    prefetching: bool = False  # the worker was asked to fetch its hit ahead (see prefetch.py)
 
 
 class SchedulerHalf:
@@ -117,6 +119,9 @@ class SchedulerHalf:
         self.lookups = (AsyncLookup(self._stored, self.stats, timeout_s=config.lookup_timeout_s,
                                     max_batches=config.lookup_queue)
                         if self.lookup_mode == "async" and config.load else None)
+        self._prefetches = config.prefetches()
+        self._to_prefetch: dict[str, None] = {}  # answered with a hit, not loaded yet: fetched ahead if it waits
+        self._prefetch_done: list[str] = []  # requests whose objects fetched ahead the worker may drop
         # fp8 caches are keyed with their layers' scales, which only the workers know (adopt_handshake).
         self._awaiting_identity = is_fp8(namespace.dtype)
 
@@ -150,6 +155,8 @@ class SchedulerHalf:
                 return None, False  # asked in the background: vLLM asks again next step
             hit, tracked.tail = answer.hit, answer.tail
             tracked.hit_chunks, tracked.looked_up = hit, True
+            if self._prefetches and (hit or tracked.tail):
+                self._to_prefetch[request.request_id] = None
             tracked.next_save = min(tracked.next_save, hit) if tracked.computed else hit
             self.stats.add(lookups=1, lookup_chunks=len(loadable), hit_chunks=hit,
                            **({"hit_tail_tokens": tracked.tail.tokens} if tracked.tail else {}))
@@ -297,11 +304,38 @@ class SchedulerHalf:
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             if (tracked := self._requests.get(req_id)) is not None:
                 tracked.looked_up = False  # its blocks are gone; the store may hold more by its resumption
+        if self._prefetches:
+            self._plan_prefetches(meta, scheduler_output)
         self._update_blocks(scheduler_output)
         if self.config.save:
             for req_id, n in scheduler_output.num_scheduled_tokens.items():
                 meta.saves.extend(self._plan_saves(req_id, n))
         return meta
+
+    def _plan_prefetches(self, meta: KVCodecMetadata, out: "SchedulerOutput") -> None:
+        """Ask the worker to fetch ahead the hits of requests still waiting after their lookup, and to drop what it
+        fetched for requests that were scheduled (their load took what it could), preempted or ended."""
+        scheduled = {r.req_id for r in out.scheduled_new_reqs} | set(out.scheduled_cached_reqs.req_ids)
+        scheduled |= set(getattr(out, "preempted_req_ids", None) or ())
+        for req_id in list(self._to_prefetch):
+            tracked = self._requests.get(req_id)
+            if tracked is None or req_id in scheduled or not tracked.looked_up:
+                del self._to_prefetch[req_id]
+                continue
+            if tracked.block_ids:  # allocated (an async load in flight): nothing to fetch ahead
+                del self._to_prefetch[req_id]
+                continue
+            hit = min(tracked.hit_chunks, self.ledger.first_failed(tracked.hashes[: tracked.hit_chunks]))
+            chunks = tracked.hashes[:hit] + ([tracked.tail.chunk_hash] if self._usable_tail(tracked, hit) else [])
+            del self._to_prefetch[req_id]
+            if chunks:
+                meta.prefetches.append(PrefetchSpec(req_id, chunks))
+                tracked.prefetching = True
+        for req_id in scheduled:
+            if (tracked := self._requests.get(req_id)) is not None and tracked.prefetching:
+                tracked.prefetching = False
+                self._prefetch_done.append(req_id)
+        meta.prefetch_done, self._prefetch_done = self._prefetch_done, []
 
     def _update_blocks(self, out: "SchedulerOutput") -> None:
         for new in out.scheduled_new_reqs:
@@ -520,6 +554,9 @@ class SchedulerHalf:
         self._awaiting_room.pop(request.request_id, None)
         if self.lookups is not None:
             self.lookups.forget(request.request_id)  # finished or aborted before its answer: nobody waits for it
+        self._to_prefetch.pop(request.request_id, None)
+        if tracked is not None and tracked.prefetching:
+            self._prefetch_done.append(request.request_id)  # the worker drops what it fetched ahead (next plan)
         for chunk_hash in tracked.waiting_on if tracked is not None else ():
             waiters = self._waiters.get(chunk_hash)
             if waiters is not None:
@@ -531,7 +568,8 @@ class SchedulerHalf:
         """What is held between steps (tests check it is empty once the engine is)."""
         return {"requests": list(self._requests), "pending_loads": len(self._pending_loads),
                 "inflight_loads": self.ledger.inflight_requests(), "awaiting_room": list(self._awaiting_room),
-                "waiters": list(self._waiters), "lookups": self.lookups.waiting() if self.lookups else []}
+                "waiters": list(self._waiters), "lookups": self.lookups.waiting() if self.lookups else [],
+                "prefetches": list(self._to_prefetch)}
 
     def shutdown(self) -> None:
         if self.lookups is not None:
