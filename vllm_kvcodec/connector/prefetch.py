@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from storage import Store
@@ -83,8 +84,14 @@ class Prefetcher:
                         self._of_request.get(owner, set()).discard(key)
                     self._claimed[key] = held
 
-    def take(self, keys: list[str]) -> list[bytes | None]:
-        """Per key, the bytes a load claimed (removed from the budget), or None: fetch it now."""
+    def take(self, keys: list[str], wait_s: float = TAKE_WAIT_S) -> list[bytes | None]:
+        """Per key, the bytes a load claimed (removed from the budget), or None: fetch it now.
+
+        A prefetch still in the air is waited for up to ``wait_s`` (the load's
+        time left, at most TAKE_WAIT_S): a store that holds it longer is the
+        load's timeout either way, and fetching again would only queue behind it.
+        """
+        end = time.monotonic() + min(wait_s, TAKE_WAIT_S)
         with self._lock:
             found = [self._claimed.pop(k, None) for k in keys]
         out: list[bytes | None] = []
@@ -92,7 +99,7 @@ class Prefetcher:
             blob = None
             if held is not None:
                 try:
-                    blob = held.future.result(TAKE_WAIT_S)
+                    blob = held.future.result(max(0.0, end - time.monotonic()))
                 except Exception:  # noqa: BLE001 - late or failed: the load fetches it itself
                     blob = None
                 self._release(held.reserved)

@@ -237,7 +237,8 @@ class Fetcher:
         t0 = time.perf_counter()
         fetched = False
         # Taken even by a cancelled job: what a load claimed leaves the prefetch budget either way.
-        ahead = self.prefetched.take(keys) if self.prefetched is not None else [None] * len(batch)
+        ahead = (self.prefetched.take(keys, job.deadline - time.monotonic()) if self.prefetched is not None
+                 else [None] * len(batch))
         if not job.cancelled:
             try:
                 got = iter(self.store.get_many([k for k, b in zip(keys, ahead) if b is None]) if None in ahead else [])
