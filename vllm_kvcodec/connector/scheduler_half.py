@@ -1,8 +1,9 @@
 """Scheduler half: lookup of stored prefixes, load and save planning, and what their outcomes teach.
 
 Runs in vLLM's scheduler process; never touches KV memory. It finds the
-longest stored prefix in whole chunks (one batched existence check per
-request, repeated only after a preemption or a failed load), tells vLLM how
+longest stored prefix in whole chunks (a question per request, asked again
+only after a preemption; answered inline or by the lookup thread, batched
+over the step's requests: :mod:`~.lookup`), tells vLLM how
 many tokens beyond its local prefix cache it can load, and turns block
 allocations into slot mappings for the worker half: loads of stored chunks,
 and saves of every chunk that becomes full, prompt or output, including
