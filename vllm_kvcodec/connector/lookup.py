@@ -205,6 +205,10 @@ class AsyncLookup:
             self._batch = [p for p in self._batch if p is not probe]
             self._drop(probe)
 
+    def in_flight(self) -> bool:
+        """Whether a submitted batch has no answer yet."""
+        return self._unanswered > 0
+
     def waiting(self) -> list[str]:
         """Requests whose question has no answer they took yet (tests check none is left)."""
         return list(self._of_request)

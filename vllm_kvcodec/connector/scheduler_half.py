@@ -71,6 +71,8 @@ MAX_SAVE_ATTEMPTS = 3
 TAIL = -1
 #: Slack beyond the load timeout before a load that never reported stops holding other requests back.
 INFLIGHT_SLACK_S = 10.0
+#: How long a step with nothing scheduled waits for lookups in the air (their answers admit the next requests).
+LOOKUP_IDLE_WAIT_S = 0.01
 
 
 @dataclasses.dataclass
@@ -298,9 +300,14 @@ class SchedulerHalf:
 
     # ---- per step -------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVCodecMetadata:
+        idle = not scheduler_output.total_num_scheduled_tokens
         if self.lookups is not None:
             self.lookups.flush()  # the step's lookups, one batch, answered while the step runs
-        meta = KVCodecMetadata(loads=self._pending_loads, idle=not scheduler_output.total_num_scheduled_tokens)
+            if idle and self.lookups.in_flight():
+                # Nothing runs, so waiting costs no request; without it vLLM steps again at once, and its loop
+                # spins on the GIL the lookup thread needs between its store calls.
+                self.lookups.wait_idle(LOOKUP_IDLE_WAIT_S)
+        meta = KVCodecMetadata(loads=self._pending_loads, idle=idle)
         self._pending_loads = []
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             if (tracked := self._requests.get(req_id)) is not None:
