@@ -81,3 +81,45 @@ def _namespace(per: int):
 def test_configuration_reference_is_current() -> None:
     page = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
     assert page.read_text() == render(), "run: python -m vllm_kvcodec.tools.config_reference > docs/configuration.md"
+
+
+@pytest.mark.parametrize(
+    "role,extra,save,load",
+    [
+        ("kv_both", {}, True, True),
+        (None, {}, True, True),
+        ("kv_producer", {}, True, False),
+        ("kv_consumer", {}, False, True),
+        ("kv_both", {"save": False}, False, True),  # overrides narrow a role
+        ("kv_both", {"load": False}, True, False),
+        ("kv_consumer", {"load": True, "save": False}, False, True),  # restating a role is no contradiction
+    ],
+)
+def test_kv_role_decides_save_and_load(role: str | None, extra: dict, save: bool, load: bool) -> None:
+    config = ConnectorConfig.from_extra_config(extra).for_role(role)
+    assert (config.save, config.load) == (save, load)
+
+
+@pytest.mark.parametrize(
+    "role,extra,message",
+    [
+        ("kv_consumer", {"save": True}, "save: true contradicts kv_role 'kv_consumer'"),
+        ("kv_producer", {"load": True}, "load: true contradicts kv_role 'kv_producer'"),
+        ("kv_consumer", {"load": False}, "load: false contradicts kv_role 'kv_consumer'"),
+        ("kv_producer", {"save": False}, "save: false contradicts kv_role 'kv_producer'"),
+    ],
+)
+def test_a_contradiction_with_kv_role_is_one_line(role: str, extra: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        ConnectorConfig.from_extra_config(extra).for_role(role)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("store,mode", [("file:///tmp/kv", "sync"), ("memory://", "sync"),
+                                        ("link+file:///tmp/kv?gbps=10&rtt_ms=1", "async"),
+                                        ("redis://127.0.0.1:6379/0", "async")])
+def test_lookup_auto_is_inline_only_for_stores_on_this_host(store: str, mode: str) -> None:
+    config = ConnectorConfig.from_extra_config({"store": store})
+    assert config.lookup == "auto" and config.lookup_mode() == mode
+    assert ConnectorConfig.from_extra_config({"store": store, "lookup": "async"}).lookup_mode() == "async"
+    assert ConnectorConfig.from_extra_config({"store": store, "lookup": "sync"}).lookup_mode() == "sync"

@@ -80,7 +80,12 @@ def test_required_store_that_is_down_stops_the_engine_clearly() -> None:
 def test_faulty_store_stream_gives_fault_free_tokens(prompts, reference, tmp_path: Path) -> None:
     url = f"faults+file://{tmp_path / 'store'}?{FAULTS}"
     # A fixed model_id fixes the keys, hence which reads the seed faults, on every machine.
-    extra = {"chunk_size": 128, "load_timeout_s": 1.0, "layers_per_object": 10, "model_id": "smollm2-faults"}
+    # No prefetch: every read must be a load's for the counts below (a read fetched ahead and never loaded, or a
+    # delay absorbed while its request waited, is prefetch doing its job; tests/connector/test_lookup_prefetch.py).
+    # Inline lookups: the seeded faults were calibrated on that sequence of reads (with the lookup thread this
+    # stream's tokens stay right, but no load timed out: not yet understood, see the fleet-lookup report).
+    extra = {"chunk_size": 128, "load_timeout_s": 1.0, "layers_per_object": 10, "model_id": "smollm2-faults",
+             "prefetch_bytes": 0, "lookup": "sync"}
     with engine(connector_config(url, "rans", **extra), dtype="float32", prefix_caching=False) as llm:
         conn = worker_connector()
         serve(llm, prompts, reference, STREAM, conn)

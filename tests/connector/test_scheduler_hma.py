@@ -16,9 +16,15 @@ from typing import Any
 
 import pytest
 
-from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of, prompt, reload
+from tests.support.scheduler_harness import Engine, lookup_modes, Violation, loaded_tokens, loads_of, prompt, reload
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(autouse=True, params=["sync", "async"], ids=["lookup-sync", "lookup-async"])
+def lookup(request, monkeypatch) -> str:
+    """Every scenario with lookups inline and on the lookup thread (the harness's engines default to it)."""
+    return lookup_modes(request, monkeypatch)
 
 W = 40  # tokens; blocks of 16, chunks of 32: a window spans parts of 3 blocks
 GEMMA = [W, W, W, None]  # three window layers and a full one: four KV cache groups

@@ -16,9 +16,15 @@ from typing import Any
 
 import pytest
 
-from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of, prompt, reload
+from tests.support.scheduler_harness import Engine, lookup_modes, Violation, loaded_tokens, loads_of, prompt, reload
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(autouse=True, params=["sync", "async"], ids=["lookup-sync", "lookup-async"])
+def lookup(request, monkeypatch) -> str:
+    """Every scenario with lookups inline and on the lookup thread (the harness's engines default to it)."""
+    return lookup_modes(request, monkeypatch)
 
 
 @pytest.fixture
@@ -185,7 +191,7 @@ def abort_before_recompute(tmp_path: Path, store: str, pipelined: bool, check_ca
     hook = damage_when_loaded(store, p, chunk=1)
     e = make(tmp_path, store, pipelined=pipelined, hooks={"before_forward": hook["hook"]})
     e.add("r", p[:290], max_tokens=2)
-    e.step()  # the load of chunks 0..8 fails at chunk 1; vLLM rewinds r to 32 tokens
+    e.admit()  # the load of chunks 0..8 fails at chunk 1; vLLM rewinds r to 32 tokens
     assert hook["done"] and e.steps[-1].invalid_blocks
     failed = set(e.steps[-1].loads[0].chunks[1].block_ids)
     e.deliver()  # (async scheduling) the scheduler sees that step's output
@@ -263,7 +269,7 @@ def test_abort_during_an_async_load_frees_blocks_only_after_it_stops(tmp_path) -
     stored(tmp_path, f"file://{tmp_path / 'store'}", p, **SAME_OBJECTS)
     e = make(tmp_path, slow, load_mode="async", fetch_threads=1, **SAME_OBJECTS)
     e.add("r", p[:290], max_tokens=2)
-    e.step()  # lookup, allocation, load started
+    e.admit()  # lookup, allocation, load started
     assert loads_of(e, ["r"]) and e.scheduler.requests["r"].status.name == "WAITING_FOR_REMOTE_KVS"
     held = e.block_table("r")
     e.abort("r")
@@ -290,12 +296,12 @@ def test_an_idle_step_waits_for_its_async_load_instead_of_spinning(tmp_path, sto
     stored(tmp_path, store, p)
     e = make(tmp_path, store, load_mode="async")
     e.add("r", p[:290], max_tokens=3)
-    first = e.step()
+    first = e.admit()
     assert first.idle and loads_of(e, ["r"]) and first.finished_recving == {"r"}, "started and awaited in one step"
     e.run()
     assert loaded_tokens(e, "r") == 288
     assert [s.idle for s in e.steps] == [not s.scheduled for s in e.steps]
-    assert e.steps[1].scheduled == {"r": 2}, "the next step computes the suffix"
+    assert e.steps[e.steps.index(first) + 1].scheduled == {"r": 2}, "the next step computes the suffix"
     e.assert_empty()
 
 
@@ -304,7 +310,7 @@ def test_abort_after_a_load(tmp_path, store) -> None:
     stored(tmp_path, store, p)
     e = make(tmp_path, store)
     e.add("r", p[:290], max_tokens=20)
-    e.step()
+    e.admit()
     assert loaded_tokens(e, "r") == 288
     e.step()
     e.abort("r")

@@ -14,9 +14,15 @@ from typing import Any
 
 import pytest
 
-from tests.support.scheduler_harness import Engine, loaded_tokens, loads_of, prompt
+from tests.support.scheduler_harness import Engine, lookup_modes, loaded_tokens, loads_of, prompt
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(autouse=True, params=["sync", "async"], ids=["lookup-sync", "lookup-async"])
+def lookup(request, monkeypatch) -> str:
+    """Every scenario with lookups inline and on the lookup thread (the harness's engines default to it)."""
+    return lookup_modes(request, monkeypatch)
 
 BLOCK, CHUNK = 16, 64
 SCHEDULING = pytest.mark.parametrize("pipelined", [False, True], ids=["sched", "async-sched"])

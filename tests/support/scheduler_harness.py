@@ -50,6 +50,7 @@ import itertools
 import json
 import os
 import random
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -61,6 +62,9 @@ import torch
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 LAYERS, KV_HEADS, HEAD = 2, 2, 32
+#: The connector's ``lookup`` setting an Engine gets unless it names one: the scenario modules parametrize it
+#: (:func:`lookup_modes`), so every scenario runs with lookups inline and on the lookup thread.
+LOOKUP = "sync"
 IDLE_STEP_S = 0.005  # how long a step with nothing scheduled takes
 VOCAB = 1000
 _MIX = np.array([(0x9E3779B97F4A7C15 * (2 * j + 1)) & (2**64 - 1) for j in range(2 * KV_HEADS * HEAD)], dtype=np.uint64)
@@ -168,7 +172,7 @@ class Engine:
         self, root: Path, store: str, *, block_size: int = 16, chunk_size: int = 32, num_blocks: int = 96,
         max_batched: int = 256, max_seqs: int = 8, policy: str | None = None, async_scheduling: bool = False,
         hooks: dict[str, Callable[..., None]] | None = None, windows: list[int | None] | None = None,
-        cache_dtype: str | None = None, **extra: Any,
+        cache_dtype: str | None = None, settle_lookups: bool = True, kv_role: str = "kv_both", **extra: Any,
     ) -> None:
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                                  VllmConfig, set_current_vllm_config)
@@ -183,13 +187,15 @@ class Engine:
         from vllm_kvcodec.connector import KVCodecConnector
 
         self.block_size, self.chunk_size, self.num_blocks = block_size, chunk_size, num_blocks
+        extra.setdefault("lookup", LOOKUP)
+        self.settle_lookups = settle_lookups
         self.hooks = hooks or {}
         self.windows = list(windows) if windows is not None else [None] * LAYERS
         self.names = layer_names(len(self.windows))
         self.kv_dtype = FP8[cache_dtype] if cache_dtype else torch.bfloat16
         transfer: dict[str, Any] = {
             "kv_connector": "KVCodecConnector", "kv_connector_module_path": "vllm_kvcodec.connector",
-            "kv_role": "kv_both",
+            "kv_role": kv_role,
             "kv_connector_extra_config": {"store": store, "chunk_size": chunk_size, "codec": "raw",
                                           "model_id": "scheduler-harness", **extra},
         }
@@ -236,6 +242,7 @@ class Engine:
         self.pipelined = async_scheduling
         self._pending: tuple[Any, Any] | None = None  # pipelined: the step whose output is not delivered yet
         self.name = f"engine{next(self._ids)}"
+        self._arrived: set[str] = set()  # added since the last admit()
 
     def _kv_cache_config(self) -> Any:
         """vLLM's grouping: one group for one attention kind, one group per layer for mixed kinds (Gemma-3's)."""
@@ -294,6 +301,7 @@ class Engine:
         request = Request(req_id, list(tokens), params, None, block_hasher=self.block_hasher)
         self.scheduler.add_request(request)
         self.requests[req_id] = request
+        self._arrived.add(req_id)
         return request
 
     def abort(self, *req_ids: str) -> None:
@@ -315,6 +323,7 @@ class Engine:
         Pipelined is vLLM's async scheduling: step N+1 is scheduled, and runs
         on the worker, before the scheduler has seen step N's output.
         """
+        self._settle_lookups()
         out, runner_out, record = self._execute(self.scheduler.schedule())
         if self.pipelined:
             pending, self._pending = self._pending, (out, runner_out)
@@ -323,6 +332,27 @@ class Engine:
         else:
             self._deliver(out, runner_out)
         return record
+
+    def admit(self) -> StepRecord:
+        """The step that admits the requests added since the last step.
+
+        Under asynchronous lookup a new request is first only asked about:
+        that step must schedule and load none of them (checked), and the
+        next one admits them; inline lookup admits them in the first step.
+        """
+        arrived, self._arrived = self._arrived, set()
+        if self.connector.scheduler.lookups is not None:
+            asked = self.step()
+            if arrived & (set(asked.scheduled) | {spec.req_id for spec in asked.loads}):
+                raise Violation(f"{self.name}: requests scheduled or loaded before their lookup was answered")
+        return self.step()
+
+    def _settle_lookups(self) -> None:
+        """Asynchronous lookups: wait until the last step's batch is answered, as a store that answers within one
+        forward pass would have, so scenarios step alike every run (``settle_lookups=False`` leaves them racing)."""
+        lookups = self.connector.scheduler.lookups
+        if self.settle_lookups and lookups is not None:
+            assert lookups.wait_idle(30.0), "the lookup thread did not answer"
 
     def _execute(self, out: Any) -> tuple[Any, Any, StepRecord]:
         from vllm.v1.outputs import KVConnectorOutput
@@ -536,7 +566,8 @@ class Engine:
         pool = s.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == self.num_blocks - 1, "blocks still held"
         state = self.connector.scheduler.state()
-        assert state == {"requests": [], "pending_loads": 0, "inflight_loads": [], "awaiting_room": [], "waiters": []}, state
+        assert state == {"requests": [], "pending_loads": 0, "inflight_loads": [], "awaiting_room": [], "waiters": [],
+                         "lookups": [], "prefetches": []}, state
         self.flush()
         worker = self.worker.worker
         assert not worker._async_jobs and worker._sync_job is None
@@ -569,6 +600,12 @@ def _chunk_index(ns: Any, tokens: list[int], hashes: list[str], chunk_hash: str,
         if c * ns.chunk_size + size <= len(tokens) and tail_hash(ns, tokens, hashes[:c], size) == chunk_hash:
             return c
     return -1
+
+
+def lookup_modes(request: Any, monkeypatch: Any) -> str:
+    """Body of a scenario module's autouse fixture parametrized over ``lookup`` modes: its engines default to it."""
+    monkeypatch.setattr(sys.modules[__name__], "LOOKUP", request.param)
+    return request.param
 
 
 def loads_of(engine: Engine, req_ids: Iterable[str] | None = None) -> list[Any]:

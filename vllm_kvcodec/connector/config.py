@@ -54,8 +54,12 @@ class ConnectorConfig(BaseModel):
     model_id: str = Field("", description="Model identity for the key namespace; default: a fingerprint of the local weights, or the hub name plus revision (set it to pin a hub model whose revision is unset), plus the quantisation.")
     share_across_platforms: bool = Field(False, description="false: chunks are shared only between engines of the same platform, device, kernel ISA, attention backend and vLLM/torch versions, so a hit gives exactly the KV this engine computes. true: any engine with the same model, dtype and geometry shares them (valid KV, possibly different in the last bits).")
     object_layout: Literal["auto", "pages", "canonical"] = Field("auto", description="What a stored object holds. pages: the chunk's KV pages exactly as the attention kernels lay them out, saved and loaded with block copies (fastest; only engines of the same platform and kernels read them). canonical: [layers, 2, tokens, heads, dim] K and V, readable by any attention backend, at the cost of a transform on every save and load. auto: pages, or canonical with share_across_platforms.")
-    save: bool = Field(True, description="Save new full prefix chunks (disable on load-only instances).")
-    load: bool = Field(True, description="Load stored prefix chunks (disable on save-only instances).")
+    save: bool | None = Field(None, description="Save new full prefix chunks. Unset: as vLLM's kv_role says (kv_producer and kv_both save, kv_consumer does not); set, an explicit override, and false on a kv_producer or true on a kv_consumer is a start-up error.")
+    load: bool | None = Field(None, description="Load stored prefix chunks. Unset: as vLLM's kv_role says (kv_consumer and kv_both load, kv_producer does not); set, an explicit override, and false on a kv_consumer or true on a kv_producer is a start-up error.")
+    lookup: Literal["auto", "sync", "async"] = Field("auto", description="How the scheduler asks the store which chunks it holds. async: a new request's existence checks go to a background thread, batched over every request of the step in one store call (plus one for prompt tails), and vLLM asks again next step (the request waits one step or more; no step waits for the store). sync: the check runs inside vLLM's scheduler loop, one store round trip per new request, and every running request waits for it. auto: sync for a store whose reads are memory copies on this host (file, memory: a check costs microseconds, less than the step a request would wait), else async (see docs/architecture.md).")
+    prefetch_bytes: int = Field(256 << 20, ge=0, description="Host memory (bytes, per worker) for objects fetched ahead: once a lookup has found a request's chunks and the request still waits (for blocks, or behind other prefills), the worker fetches them, and the load takes them instead of asking the store (checked like any fetched object: header, checksum, key binding). What does not fit is fetched at load time. Only for stores across a network (not file or memory stores, whose reads are memory copies). 0: off.")
+    lookup_timeout_s: float = Field(2.0, gt=0, description="An asynchronous lookup the store has not answered by then is a miss (counted as lookup_timeouts): the request computes its prefix instead of waiting on a store that hangs.")
+    lookup_queue: int = Field(64, ge=1, description="Batches of asynchronous lookups (one per scheduler step) waiting for the lookup thread; a step's batch that finds the queue full is answered as misses at once (counted as lookups_queue_full), so a slow store never makes requests pile up behind it.")
     kv_events: bool = Field(True, description="Publish the store's KV cache events for routers when vLLM publishes its own (--kv-events-config with enable_kv_cache_events): BlockStored in vLLM's block hashes for every chunk this instance saved, once the save landed, and BlockRemoved for every chunk a load of it found missing, damaged or late (see docs/routers.md). false: vLLM's GPU events only.")
     kv_events_medium: str = Field("KVCODEC", min_length=1, description="The medium the store's KV cache events carry, for routers that weigh tiers by it (vLLM's own: GPU, CPU, STORAGE).")
     log_interval_s: float = Field(30.0, ge=0, description="Seconds between the connector's `kvcodec worker:` / `kvcodec scheduler:` log lines of totals (0: never); logged while the engine steps.")
@@ -91,6 +95,43 @@ class ConnectorConfig(BaseModel):
             return cls(**(extra or {}))
         except ValidationError as exc:
             raise ConfigError(f"invalid kv_connector_extra_config for KVCodecConnector:\n{_explain(exc)}") from None
+
+    def for_role(self, kv_role: str | None) -> "ConnectorConfig":
+        """``save`` and ``load`` resolved against vLLM's ``kv_role``; a contradiction is a one-line ConfigError.
+
+        vLLM's disaggregated-prefill roles say who writes KV and who reads it:
+        a ``kv_consumer`` (a decode instance) only loads what producers
+        computed, a ``kv_producer`` (a prefill instance) only saves. ``save``
+        and ``load`` stay as overrides that may narrow a role (a kv_both that
+        only loads), never contradict it.
+        """
+        role = kv_role or "kv_both"
+        allowed = {"kv_producer": (True, False), "kv_consumer": (False, True), "kv_both": (True, True)}.get(role)
+        if allowed is None:
+            raise ConfigError(f"kv_role {kv_role!r} is not one of kv_producer, kv_consumer, kv_both")
+        resolved = {}
+        for name, may in zip(("save", "load"), allowed):
+            asked = getattr(self, name)
+            if asked and not may:
+                raise ConfigError(f"{name}: true contradicts kv_role {role!r}, which never {'saves' if name == 'save' else 'loads'}; drop one of them")
+            if asked is False and may and role != "kv_both":
+                raise ConfigError(f"{name}: false contradicts kv_role {role!r}, whose only job is to {name}; drop one of them")
+            resolved[name] = may if asked is None else asked
+        return self.model_copy(update=resolved)
+
+    def lookup_mode(self) -> str:
+        """``lookup`` with ``auto`` resolved: sync for a store whose reads are memory copies on this host."""
+        from storage import reads_in_memory
+
+        if self.lookup == "auto":
+            return "sync" if reads_in_memory(self.store) else "async"
+        return self.lookup
+
+    def prefetches(self) -> bool:
+        """Whether hits are fetched ahead: a budget, loads at all, and a store whose reads cross a network."""
+        from storage import reads_in_memory
+
+        return self.prefetch_bytes > 0 and self.load is not False and not reads_in_memory(self.store)
 
     def check_block_size(self, block_size: int) -> None:
         if self.chunk_size % block_size:

@@ -72,7 +72,7 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         follow_vllm_logging()  # before the first line is logged; also without the plug-in (module path)
         transfer = vllm_config.kv_transfer_config
-        self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config).for_role(transfer.kv_role)
         block_size = vllm_config.cache_config.block_size
         check_uniform_cache_dtype(vllm_config.cache_config)
         # A model the connector cannot serve is refused by name before any chunk_size arithmetic: hybrid models

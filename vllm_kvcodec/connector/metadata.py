@@ -18,8 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm_kvcodec.outcomes import LoadOutcome, SaveOutcome
 from vllm_kvcodec.spans import Span, one_group, one_span
 
-__all__ = ["ChunkLoad", "KVCodecMetadata", "KVCodecWorkerReport", "LoadOutcome", "LoadSpec", "SaveOutcome", "SaveSpec",
-           "Span"]
+__all__ = ["ChunkLoad", "KVCodecMetadata", "KVCodecWorkerReport", "LoadOutcome", "LoadSpec", "PrefetchSpec", "SaveOutcome",
+           "SaveSpec", "Span"]
 
 
 @dataclasses.dataclass
@@ -88,6 +88,14 @@ class SaveSpec:
 
 
 @dataclasses.dataclass
+class PrefetchSpec:
+    """The chunks (full ones, and a prompt tail) a lookup found for a request that waits: fetch them ahead."""
+
+    req_id: str
+    chunk_hashes: list[str]
+
+
+@dataclasses.dataclass
 class KVCodecMetadata(KVConnectorMetadata):
     """One step's plan. ``idle``: vLLM scheduled no tokens, so the step only polls for finished loads.
 
@@ -99,6 +107,8 @@ class KVCodecMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     saves: list[SaveSpec] = dataclasses.field(default_factory=list)
     idle: bool = False
+    prefetches: list[PrefetchSpec] = dataclasses.field(default_factory=list)
+    prefetch_done: list[str] = dataclasses.field(default_factory=list)  # requests whose prefetched objects go
 
 
 @dataclasses.dataclass

@@ -1,8 +1,9 @@
 """Scheduler half: lookup of stored prefixes, load and save planning, and what their outcomes teach.
 
 Runs in vLLM's scheduler process; never touches KV memory. It finds the
-longest stored prefix in whole chunks (one batched existence check per
-request, repeated only after a preemption or a failed load), tells vLLM how
+longest stored prefix in whole chunks (a question per request, asked again
+only after a preemption; answered inline or by the lookup thread, batched
+over the step's requests: :mod:`~.lookup`), tells vLLM how
 many tokens beyond its local prefix cache it can load, and turns block
 allocations into slot mappings for the worker half: loads of stored chunks,
 and saves of every chunk that becomes full, prompt or output, including
@@ -49,7 +50,9 @@ from vllm_kvcodec.identity import PromptIdentity, prompt_identity
 from vllm_kvcodec.keys import Namespace, chunk_object_keys, extend_chunk_hashes, tail_hash, tail_position
 from vllm_kvcodec.connector.kv_events import StoreEvents
 from vllm_kvcodec.connector.load_ledger import LoadLedger
-from vllm_kvcodec.connector.metadata import ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec, SaveOutcome, SaveSpec
+from vllm_kvcodec.connector.lookup import Answer, AsyncLookup, Question, Tail, answer_questions, tail_candidates
+from vllm_kvcodec.connector.metadata import (ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec,
+                                              PrefetchSpec, SaveOutcome, SaveSpec)
 from vllm_kvcodec.paged.slots import slots_for_tokens
 from vllm_kvcodec.spans import Span
 from vllm_kvcodec.connector.save_claims import SaveClaims
@@ -69,15 +72,8 @@ MAX_SAVE_ATTEMPTS = 3
 TAIL = -1
 #: Slack beyond the load timeout before a load that never reported stops holding other requests back.
 INFLIGHT_SLACK_S = 10.0
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tail:
-    """A prompt tail: ``tokens`` (fewer than a chunk) from the start of chunk ``index``, stored under ``chunk_hash``."""
-
-    index: int
-    chunk_hash: str
-    tokens: int
+#: How long a step with nothing scheduled waits for lookups in the air (their answers admit the next requests).
+LOOKUP_IDLE_WAIT_S = 0.01
 
 
 @dataclasses.dataclass
@@ -96,11 +92,12 @@ class _Tracked:
     save_attempts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     failures_seen: int = 0  # failed loads of this request reported so far (echoed in SaveSpec)
     deferred: set[int] = dataclasses.field(default_factory=set)  # chunks not planned while the store was down
-    tail: _Tail | None = None  # the stored tail found at the last lookup (prompt_tails)
+    tail: Tail | None = None  # the stored tail found at the last lookup (prompt_tails)
     tail_planned: bool = False  # this request's own tail was planned for saving (or needs none)
     tail_save: str = ""  # the key its own tail was saved under
     awaiting_room: dict[int, int] = dataclasses.field(default_factory=dict)  # chunk (TAIL: tail) -> bytes it needs
     waiting_on: set[str] = dataclasses.field(default_factory=set)  # chunks it left to another request's save
+    prefetching: bool = False  # the worker was asked to fetch its hit ahead (see prefetch.py)
 
 
 class SchedulerHalf:
@@ -123,6 +120,13 @@ class SchedulerHalf:
         self._awaiting_room: dict[str, None] = {}  # requests with saves dropped for want of queue room, oldest first
         self._waiters: dict[str, set[str]] = {}  # chunk hash -> requests that left its save to another's claim
         self._pending_loads: list[LoadSpec] = []
+        self.lookup_mode = config.lookup_mode()
+        self.lookups = (AsyncLookup(self._stored, self.stats, timeout_s=config.lookup_timeout_s,
+                                    max_batches=config.lookup_queue)
+                        if self.lookup_mode == "async" and config.load else None)
+        self._prefetches = config.prefetches()
+        self._to_prefetch: dict[str, None] = {}  # answered with a hit, not loaded yet: fetched ahead if it waits
+        self._prefetch_done: list[str] = []  # requests whose objects fetched ahead the worker may drop
         # fp8 caches are keyed with their layers' scales, which only the workers know (adopt_handshake).
         self._awaiting_identity = is_fp8(namespace.dtype)
 
@@ -151,8 +155,13 @@ class SchedulerHalf:
         # Only whole chunks, and never the last token: vLLM must compute it to sample the next.
         loadable = self._hashes(tracked, max(0, request.num_tokens - 1) // self.chunk)
         if not tracked.looked_up:
-            hit, tracked.tail = self._lookup(tracked, loadable) if self.config.load else (0, None)
+            answer = self._look_up(tracked, loadable)
+            if answer is None:
+                return None, False  # asked in the background: vLLM asks again next step
+            hit, tracked.tail = answer.hit, answer.tail
             tracked.hit_chunks, tracked.looked_up = hit, True
+            if self._prefetches and (hit or tracked.tail):
+                self._to_prefetch[request.request_id] = None
             tracked.next_save = min(tracked.next_save, hit) if tracked.computed else hit
             self.stats.add(lookups=1, lookup_chunks=len(loadable), hit_chunks=hit,
                            **({"hit_tail_tokens": tracked.tail.tokens} if tracked.tail else {}))
@@ -165,7 +174,7 @@ class SchedulerHalf:
         n = max(0, end - num_computed_tokens)
         return n, bool(n) and self.config.load_mode == "async"
 
-    def _usable_tail(self, tracked: _Tracked, hit: int) -> _Tail | None:
+    def _usable_tail(self, tracked: _Tracked, hit: int) -> Tail | None:
         """The stored tail, if every full chunk before it is still a hit and it is not known to fail."""
         tail = tracked.tail
         if tail is None or hit != tail.index or self.ledger.first_failed([tail.chunk_hash]) == 0:
@@ -202,33 +211,33 @@ class SchedulerHalf:
             tracked.hashes = extend_chunk_hashes(self.namespace, tokens, tracked.hashes, num_chunks, tracked.identity)
         return tracked.hashes[:num_chunks]
 
-    def _lookup(self, tracked: _Tracked, loadable: list[str]) -> tuple[int, _Tail | None]:
+    def _look_up(self, tracked: _Tracked, loadable: list[str]) -> Answer | None:
         """The longest stored prefix in whole chunks, then (``prompt_tails``) the longest stored tail right after it.
 
-        Two batched existence checks: the tail can only be asked for once the
-        full chunks' hit is known. A replay finds its own tail after its
-        last full chunk; the next turn of a chat finds the last turn's after
-        the chunks they share, however much it added.
+        Inline (``lookup`` sync), or asked of the lookup thread (async:
+        None until its answer is in, see :mod:`~.lookup`). A replay finds its
+        own tail after its last full chunk; the next turn of a chat finds the
+        last turn's after the chunks they share, however much it added.
         """
-        found = self._stored(loadable)
-        if found is None:
-            return 0, None
-        hit = next((c for c, ok in enumerate(found) if not ok), len(loadable))
-        tails = self._tail_candidates(tracked, loadable[:hit])
-        found = self._stored([t.chunk_hash for t in tails]) or []
-        return hit, next((t for t, ok in zip(tails, found) if ok), None)
+        if not self.config.load:
+            return Answer(0)
+        tails = None
+        if self.config.prompt_tails and tracked.identity is not None:
+            tokens = list(tracked.request.all_token_ids)  # a snapshot: the lookup thread hashes it
+            namespace, identity, align = self.namespace, tracked.identity, self.cache_groups.hit_alignment
 
-    def _tail_candidates(self, tracked: _Tracked, hashes: list[str]) -> list[_Tail]:
-        """Every tail after the full chunks ``hashes`` the request could load, longest first (at most chunk_size /
-        block of them: whole blocks, never the last token's); none without ``prompt_tails``."""
-        if not self.config.prompt_tails or tracked.identity is None:
-            return []
-        align = self.cache_groups.hit_alignment
-        start = len(hashes) * self.chunk
-        longest = min(self.chunk - 1, (tracked.request.num_tokens - 1) // align * align - start) // align * align
-        tokens = tracked.request.all_token_ids
-        return [_Tail(len(hashes), tail_hash(self.namespace, tokens, hashes, t, tracked.identity), t)
-                for t in range(longest, 0, -align)]
+            def tails(hit: int) -> list[Tail]:
+                return tail_candidates(namespace, tokens, identity, loadable[:hit], self.chunk, align)
+
+            if not loadable and not tails(0):
+                return Answer(0)  # nothing the store could hold: no question to ask
+        elif not loadable:
+            return Answer(0)
+        question = Question(loadable, tails)
+        if self.lookups is None:
+            return answer_questions([question], self._stored)[0]
+        key = (tuple(loadable), tracked.identity, tuple(tokens[len(loadable) * self.chunk:]) if tails else None)
+        return self.lookups.ask(tracked.request.request_id, key, question)
 
     def _stored(self, hashes: list[str]) -> list[bool] | None:
         """Per chunk (or tail) key, whether every object of it (all ranks, all layer groups) is in the store;
@@ -294,16 +303,50 @@ class SchedulerHalf:
 
     # ---- per step -------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVCodecMetadata:
-        meta = KVCodecMetadata(loads=self._pending_loads, idle=not scheduler_output.total_num_scheduled_tokens)
+        idle = not scheduler_output.total_num_scheduled_tokens
+        if self.lookups is not None:
+            self.lookups.flush()  # the step's lookups, one batch, answered while the step runs
+            if idle and self.lookups.in_flight():
+                # Nothing runs, so waiting costs no request; without it vLLM steps again at once, and its loop
+                # spins on the GIL the lookup thread needs between its store calls.
+                self.lookups.wait_idle(LOOKUP_IDLE_WAIT_S)
+        meta = KVCodecMetadata(loads=self._pending_loads, idle=idle)
         self._pending_loads = []
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             if (tracked := self._requests.get(req_id)) is not None:
                 tracked.looked_up = False  # its blocks are gone; the store may hold more by its resumption
+        if self._prefetches:
+            self._plan_prefetches(meta, scheduler_output)
         self._update_blocks(scheduler_output)
         if self.config.save:
             for req_id, n in scheduler_output.num_scheduled_tokens.items():
                 meta.saves.extend(self._plan_saves(req_id, n))
         return meta
+
+    def _plan_prefetches(self, meta: KVCodecMetadata, out: "SchedulerOutput") -> None:
+        """Ask the worker to fetch ahead the hits of requests still waiting after their lookup, and to drop what it
+        fetched for requests that were scheduled (their load took what it could), preempted or ended."""
+        scheduled = {r.req_id for r in out.scheduled_new_reqs} | set(out.scheduled_cached_reqs.req_ids)
+        scheduled |= set(getattr(out, "preempted_req_ids", None) or ())
+        for req_id in list(self._to_prefetch):
+            tracked = self._requests.get(req_id)
+            if tracked is None or req_id in scheduled or not tracked.looked_up:
+                del self._to_prefetch[req_id]
+                continue
+            if tracked.block_ids:  # allocated (an async load in flight): nothing to fetch ahead
+                del self._to_prefetch[req_id]
+                continue
+            hit = min(tracked.hit_chunks, self.ledger.first_failed(tracked.hashes[: tracked.hit_chunks]))
+            chunks = tracked.hashes[:hit] + ([tracked.tail.chunk_hash] if self._usable_tail(tracked, hit) else [])
+            del self._to_prefetch[req_id]
+            if chunks:
+                meta.prefetches.append(PrefetchSpec(req_id, chunks))
+                tracked.prefetching = True
+        for req_id in scheduled:
+            if (tracked := self._requests.get(req_id)) is not None and tracked.prefetching:
+                tracked.prefetching = False
+                self._prefetch_done.append(req_id)
+        meta.prefetch_done, self._prefetch_done = self._prefetch_done, []
 
     def _update_blocks(self, out: "SchedulerOutput") -> None:
         for new in out.scheduled_new_reqs:
@@ -523,6 +566,11 @@ class SchedulerHalf:
     def request_finished(self, request: "Request") -> None:
         tracked = self._requests.pop(request.request_id, None)  # its load, if in flight, stays in the ledger
         self._awaiting_room.pop(request.request_id, None)
+        if self.lookups is not None:
+            self.lookups.forget(request.request_id)  # finished or aborted before its answer: nobody waits for it
+        self._to_prefetch.pop(request.request_id, None)
+        if tracked is not None and tracked.prefetching:
+            self._prefetch_done.append(request.request_id)  # the worker drops what it fetched ahead (next plan)
         for chunk_hash in tracked.waiting_on if tracked is not None else ():
             waiters = self._waiters.get(chunk_hash)
             if waiters is not None:
@@ -534,7 +582,10 @@ class SchedulerHalf:
         """What is held between steps (tests check it is empty once the engine is)."""
         return {"requests": list(self._requests), "pending_loads": len(self._pending_loads),
                 "inflight_loads": self.ledger.inflight_requests(), "awaiting_room": list(self._awaiting_room),
-                "waiters": list(self._waiters)}
+                "waiters": list(self._waiters), "lookups": self.lookups.waiting() if self.lookups else [],
+                "prefetches": list(self._to_prefetch)}
 
     def shutdown(self) -> None:
+        if self.lookups is not None:
+            self.lookups.shutdown()
         self.store.close()

@@ -35,6 +35,7 @@ from vllm_kvcodec.codecs import policy
 from vllm_kvcodec.codecs.warmup import warm_up
 from vllm_kvcodec.load.cores import idle_cores, load_threads
 from vllm_kvcodec.load.load_balance import LoadBalance
+from vllm_kvcodec.connector.prefetch import Prefetcher
 from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.keys import Namespace, ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm_kvcodec")
 #: How long an idle step waits for an async load: a request arriving meanwhile is scheduled that much later.
 IDLE_POLL_S = 0.01
+#: Bytes beyond its raw KV an object may hold (header, codec framing): what a prefetch reserves at most.
+PREFETCH_SLACK = 4096
 #: The object codec ``auto`` reads back at start-up to learn the store's read bandwidth (34 ms at 1 Gbit/s).
 PROBE_BYTES = 4 << 20
 
@@ -74,6 +77,7 @@ class WorkerHalf:
                                     behind=policy.behind_codec_for(config.save_codec_when_behind, dtype))
         self.store = open_connector_store(config)
         self.fetcher: Fetcher | None = None
+        self.prefetcher: Prefetcher | None = None  # objects of waiting requests' hits, fetched ahead
         self.saver: Saver | None = None
         self._layer_of: dict[str, int] = {}
         self._shared: set[str] = set()  # layers that read another layer's KV: saved and loaded through it
@@ -128,6 +132,10 @@ class WorkerHalf:
         self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered, threads.fetch,
                                               self.stats, self.chooser.observe_read,
                                               cache_groups=self.layer_cache_groups, decode_threads=threads.decode)
+        if self.config.prefetches() and not self.store.ranged_reads:  # objects read in place are never taken
+            self.prefetcher = Prefetcher(self.store, self.config.prefetch_bytes, self.stats)
+            self.fetcher.prefetched = self.prefetcher
+            self._addresses = addresses
         self.saver = Saver(self.store, addresses, self.chooser, self.config.save_threads,
                            self.config.max_pending_save_bytes, self.stats, report=self._save_settled,
                            nice=self.config.save_thread_nice)
@@ -213,12 +221,29 @@ class WorkerHalf:
         assert self.fetcher is not None, "register_kv_caches was not called"
         timeout = self.config.load_timeout_s
         self.recent_loads.extend(meta.loads)
+        if self.prefetcher is not None:
+            for ahead in meta.prefetches:
+                self.prefetcher.start(ahead.req_id, self._prefetch_objects(ahead.chunk_hashes))
+        if self.prefetcher is not None and meta.loads:
+            chunks = [c.chunk_hash for spec in meta.loads for c in spec.chunks]
+            self.prefetcher.claim([self._addresses.key(h, g) for h in chunks for g in range(len(self.groups))])
         sync = [s for s in meta.loads if not s.is_async]
         if sync:
             self._sync_job = self.fetcher.submit(sync, timeout)
         for spec in meta.loads:
             if spec.is_async:
                 self._async_jobs[spec.req_id] = self.fetcher.submit([spec], timeout)
+        if self.prefetcher is not None:
+            for req_id in meta.prefetch_done:  # after the loads claimed theirs
+                self.prefetcher.give_up(req_id)
+
+    def _prefetch_objects(self, chunk_hashes: list[str]) -> list[tuple[str, int]]:
+        """Each chunk's objects of this rank, with the bytes each may hold at most (raw KV plus its header)."""
+        out = []
+        for g, layers in enumerate(self.groups):
+            size = len(layers) * self.namespace.chunk_size * self.layouts[layers[0]].token_nbytes() + PREFETCH_SLACK
+            out.extend((self._addresses.key(h, g), size) for h in chunk_hashes)
+        return out
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         job = self._sync_job
@@ -376,6 +401,8 @@ class WorkerHalf:
             self.saver.shutdown(self.config.shutdown_flush_s)
         if self.fetcher is not None:
             self.fetcher.shutdown()
+        if self.prefetcher is not None:
+            self.prefetcher.shutdown()
         self.store.close()
 
 

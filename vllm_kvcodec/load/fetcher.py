@@ -62,6 +62,7 @@ from vllm_kvcodec.torch_threads import one_torch_thread
 
 if TYPE_CHECKING:  # imports vLLM; the fetcher itself must not (the GPU check runs without it)
     from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
+    from vllm_kvcodec.connector.prefetch import Prefetcher
     from vllm_kvcodec.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")
@@ -195,6 +196,7 @@ class Fetcher:
         #: Told of each object decoded from fetched bytes (key, bytes, header), after it landed: the save path's
         #: upgrade of fallback-coded objects (:mod:`vllm_kvcodec.save.upgrade`). Must not raise or block.
         self.after_load: Callable[[str, bytes, ChunkHeader], object] | None = None
+        self.prefetched: Prefetcher | None = None  # set by the worker half: objects fetched while their requests waited
         self.fetch_threads, self.cpu_threads = threads, threads  # who fetches, who decodes and scatters
         if decode_threads is not None and decode_threads < threads:
             self.cpu_threads = decode_threads
@@ -237,14 +239,19 @@ class Fetcher:
         error: Exception | None = None
         t0 = time.perf_counter()
         fetched = False
+        # Taken even by a cancelled job: what a load claimed leaves the prefetch budget either way.
+        ahead = (self.prefetched.take(keys, job.deadline - time.monotonic()) if self.prefetched is not None
+                 else [None] * len(batch))
         if not job.cancelled:
             try:
-                blobs = self.store.get_many(keys)
+                got = iter(self.store.get_many([k for k, b in zip(keys, ahead) if b is None]) if None in ahead else [])
+                blobs = [b if b is not None else next(got) for b in ahead]
                 fetched = True
             except Exception as exc:  # noqa: BLE001 - the whole batch is recomputed
                 error = exc
         t1 = time.perf_counter()
-        self._fetched(job, sum(len(b) for b in blobs if b is not None) if error is None else None, t1 - t0, t1)
+        nbytes = sum(len(b) for b, a in zip(blobs, ahead) if b is not None and a is None)  # prefetched: not the link's
+        self._fetched(job, nbytes if error is None and None in ahead else None, t1 - t0, t1)
         # The batch stays held (memory bound) until the decode threads are done with it.
         self._run([(self._settle_object, (job, group, index, chunk, key, blob, error, fetched))
                    for (index, chunk), key, blob in zip(batch, keys, blobs)])

@@ -57,6 +57,8 @@ def bench_serve(
     save_thread_nice: int = typer.Option(0, min=0, max=19, help="The saving servers' save_thread_nice."),
     codec_when_behind: str = typer.Option("splitzip", help="The saving servers' save_codec_when_behind ('none': off)."),
     upgrade: bool = typer.Option(True, help="upgrade_fallback_chunks: loading servers re-encode fallback-coded objects they load."),
+    link: Optional[str] = typer.Option(None, help="Put the temporary file store behind the link emulator, e.g. 'gbps=10&rtt_ms=10'."),
+    lookup: Optional[list[str]] = typer.Option(None, "--lookup", help="Compare loading servers per lookup mode (repeatable: sync, async); no server without the connector then."),
 ) -> None:
     """vLLM's own client (vllm bench serve, prefix_repetition) against vllm serve without the connector, saving, and loading."""
     from vllm_kvcodec.errors import ConfigError
@@ -71,7 +73,24 @@ def bench_serve(
 
     serve.run(output, repeats=repeats, codec=codec, store=store, num_prompts=num_prompts, prefix_len=prefix_len,
               suffix_len=suffix_len, num_prefixes=num_prefixes, output_len=output_len, request_rate=request_rate,
-              save_thread_nice=save_thread_nice, codec_when_behind=behind, upgrade=upgrade)
+              save_thread_nice=save_thread_nice, codec_when_behind=behind, upgrade=upgrade, link=link,
+              lookups=tuple(lookup or ()))
+
+
+@bench_app.command("schedule")
+def bench_schedule(
+    output: Path = typer.Option(RESULTS / "schedule.json", help="JSON file to write."),
+    rtt_ms: Optional[list[float]] = typer.Option(None, "--rtt-ms", help="Store round trip(s) in ms (repeatable; default 0, 1, 10)."),
+    arrivals: int = typer.Option(32, min=1, help="New requests arriving in one step."),
+    prompt_tokens: int = typer.Option(1100, min=2, help="Tokens per arriving prompt (their full chunks are stored)."),
+    step_ms: float = typer.Option(20.0, min=0, help="How long each step's emulated forward pass takes."),
+    repeats: int = typer.Option(3, min=1, help="Interleaved sync/async runs per RTT."),
+) -> None:
+    """Time vLLM's scheduler spends per step while requests arrive, with lookups inline (sync) and on the lookup thread (async)."""
+    from vllm_kvcodec.tools.bench import schedule
+
+    schedule.run(output, rtts_ms=tuple(rtt_ms or (0.0, 1.0, 10.0)), arrivals=arrivals, prompt_tokens=prompt_tokens,
+                 step_ms=step_ms, repeats=repeats)
 
 
 @bench_app.command("ttft")

@@ -59,6 +59,8 @@ def run(
     save_thread_nice: int = 0,
     codec_when_behind: str | None = "splitzip",
     upgrade: bool = True,
+    link: str | None = None,
+    lookups: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     from vllm_kvcodec.tools.smollm2 import model_dir
 
@@ -71,8 +73,11 @@ def run(
     runs: list[dict[str, Any]] = []
     try:
         for r in range(repeats):
-            url = _store_url(store, tmp, r)
+            url = _store_url(store, tmp, r, link)
             order = KINDS if r % 2 == 0 else ("save", "load", "none")  # load right after the save that fills its store
+            if lookups:  # one loading server per lookup mode, in turns, after the save that fills their store
+                modes = lookups if r % 2 == 0 else tuple(reversed(lookups))
+                order = ("save", *(f"load-{m}" for m in modes))
             for kind in order:
                 console.log(f"[{r + 1}/{repeats}] {kind}: starting a server")
                 result = _one_run(kind, model, url, connector, client, tmp / f"r{r}-{kind}")
@@ -86,7 +91,7 @@ def run(
     summary = _summary(runs)
     result = {"benchmark": "serve", "machine": machine(), "codec": codec, "save_thread_nice": save_thread_nice,
               "save_codec_when_behind": codec_when_behind, "upgrade_fallback_chunks": upgrade,
-              "store": store or "file (temporary)",
+              "store": store or "file (temporary)", "link": link, "lookups": list(lookups),
               "client": {"dataset": "prefix_repetition", "num_prompts": num_prompts, "prefix_len": prefix_len,
                          "suffix_len": suffix_len, "num_prefixes": num_prefixes, "output_len": output_len,
                          "request_rate": request_rate, "seed": seed},
@@ -108,10 +113,10 @@ def _client_args(model: str, num_prompts: int, prefix_len: int, suffix_len: int,
             "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99", "--disable-tqdm"]
 
 
-def _store_url(store: str | None, tmp: Path, repeat: int) -> str:
-    """An empty store per repeat: a new directory, or a new key prefix on ``store``."""
+def _store_url(store: str | None, tmp: Path, repeat: int, link: str | None = None) -> str:
+    """An empty store per repeat: a new directory (behind the link emulator with ``link``), or a new key prefix on ``store``."""
     if store is None:
-        return f"file://{tmp / f'store-{repeat}'}"
+        return f"link+file://{tmp / f'store-{repeat}'}?{link}" if link else f"file://{tmp / f'store-{repeat}'}"
     from storage.options import split_query, with_query
 
     base, options = split_query(store)
@@ -127,7 +132,8 @@ def _server_argv(kind: str, model: str, url: str, connector: dict[str, Any]) -> 
               "--enable-prefix-caching", "--served-model-name", SERVED_NAME]
     if kind == "none":
         return ["-m", "vllm_kvcodec.tools.vllm_cli", "serve", model, *engine]
-    plan = plan_serve(model, {"store": url, "log_interval_s": 0, **connector}, engine, os.environ)
+    lookup = {"lookup": kind.split("-", 1)[1]} if kind.startswith("load-") else {}
+    plan = plan_serve(model, {"store": url, "log_interval_s": 0, **connector, **lookup}, engine, os.environ)
     return ["-m", "vllm_kvcodec.tools.vllm_cli", *plan.argv]
 
 
@@ -216,7 +222,7 @@ def _stored(url: str) -> dict[str, Any]:
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for kind in KINDS:
+    for kind in dict.fromkeys(r["kind"] for r in runs):
         mine = [r for r in runs if r["kind"] == kind]
         if not mine:
             continue
@@ -226,8 +232,8 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out[kind]["runs"] = len(mine)
     if "none" in out:
         base = out["none"]["request_throughput"]
-        for kind in ("save", "load"):
-            if kind in out:
+        for kind in out:
+            if kind != "none":
                 out[kind]["throughput_vs_none"] = out[kind]["request_throughput"] / base
     return out
 

@@ -1,0 +1,271 @@
+"""Lookup: which of a request's chunks (and, with ``prompt_tails``, which tail after them) the store holds.
+
+Why its own room: in a fleet the store is a network hop away, and vLLM's
+scheduler loop stops for every call the connector makes. A lookup made
+inline (``lookup: sync``) costs every running request one store round trip
+per arriving request: 32 arrivals at 10 ms RTT held one ``schedule()`` for
+330 ms. Asynchronously (``lookup: async``, vLLM's "try again" contract, PR
+23620; the shape of vLLM's own ``kv_offload/tiering/async_lookup.py``):
+
+- the first call for a request records its question and answers ``None``:
+  vLLM leaves the request waiting and asks again next step;
+- at the end of the step (``build_connector_meta``) every question of the
+  step goes to one background thread as one batch, answered with one
+  ``exists_many`` over all their chunk keys (each distinct key once), then
+  one more over the tail candidates that the chunk hits make possible;
+- requests asking the same question (same chunks, same tail tokens) share
+  one probe, also across steps while it is in flight;
+- a batch that finds the thread's queue full, and a probe the store has not
+  answered within ``lookup_timeout_s``, are answered as misses (counted): a
+  store that hangs costs recomputes, never a stuck request;
+- a request that ends before its answer leaves nothing behind: its
+  reference is dropped, and an answer nobody waits for is discarded.
+
+The synchronous mode answers the same questions with the same function
+(:func:`answer_questions`), inline, one request at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+from vllm_kvcodec.identity import PromptIdentity
+from vllm_kvcodec.keys import Namespace, tail_hash
+from vllm_kvcodec.stats import ConnectorStats
+
+logger = logging.getLogger("vllm_kvcodec")
+
+#: Per chunk (or tail) key, whether the store holds all of it; None when the store did not answer.
+Stored = Callable[[list[str]], "list[bool] | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tail:
+    """A prompt tail: ``tokens`` (fewer than a chunk) from the start of chunk ``index``, stored under ``chunk_hash``."""
+
+    index: int
+    chunk_hash: str
+    tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """How many leading chunks the store holds, and the longest stored tail right after them.
+
+    ``how``: ``store`` (the store answered, or could not and said so:
+    a miss counted by the caller of ``exists_many``), ``timeout`` or
+    ``queue_full`` (an asynchronous probe given up on: a miss).
+    """
+
+    hit: int
+    tail: Tail | None = None
+    how: str = "store"
+
+
+MISS = Answer(0)
+#: Counters of the requests answered with a miss because their probe was given up on.
+_GIVEN_UP = {"timeout": "lookup_timeouts", "queue_full": "lookups_queue_full"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+    """One request's question: its loadable chunks, and (``prompt_tails``) its tail candidates after a hit."""
+
+    chunk_hashes: Sequence[str]
+    tails: Callable[[int], list[Tail]] | None = None  # hit (in chunks) -> candidates there, longest first
+
+
+def tail_candidates(namespace: Namespace, tokens: Sequence[int], identity: PromptIdentity, hashes: Sequence[str],
+                    chunk: int, align: int) -> list[Tail]:
+    """Every tail after the full chunks ``hashes`` a prompt of ``tokens`` could load, longest first.
+
+    Whole blocks (``align`` tokens), never the last token's (vLLM computes
+    it to sample the next): at most ``chunk / align`` of them.
+    """
+    start = len(hashes) * chunk
+    longest = min(chunk - 1, (len(tokens) - 1) // align * align - start) // align * align
+    return [Tail(len(hashes), tail_hash(namespace, tokens, list(hashes), t, identity), t)
+            for t in range(longest, 0, -align)]
+
+
+def answer_questions(questions: Sequence[Question], stored: Stored) -> list[Answer]:
+    """Every question, with one store call over all their chunks and one over the tails their hits allow.
+
+    The tails can only be asked once the chunk hits are known (a tail hangs
+    off the chain right after them), hence two calls, not one.
+    """
+    chunk_keys = list(dict.fromkeys(h for q in questions for h in q.chunk_hashes))
+    found = stored(chunk_keys) if chunk_keys else []
+    if found is None:
+        return [MISS] * len(questions)
+    present = dict(zip(chunk_keys, found))
+    hits = [next((c for c, h in enumerate(q.chunk_hashes) if not present[h]), len(q.chunk_hashes)) for q in questions]
+    candidates = [q.tails(hit) if q.tails is not None else [] for q, hit in zip(questions, hits)]
+    tail_keys = list(dict.fromkeys(t.chunk_hash for ts in candidates for t in ts))
+    tail_found = (stored(tail_keys) if tail_keys else None) or [False] * len(tail_keys)
+    held = dict(zip(tail_keys, tail_found))
+    return [Answer(hit, next((t for t in ts if held[t.chunk_hash]), None)) for hit, ts in zip(hits, candidates)]
+
+
+@dataclasses.dataclass(eq=False)
+class _Probe:
+    """One question in the air, and the requests waiting for its answer."""
+
+    key: Hashable
+    question: Question
+    requests: set[str] = dataclasses.field(default_factory=set)
+    deadline: float | None = None  # set when submitted
+    answer: Answer | None = None
+
+
+class AsyncLookup:
+    """The lookup thread and what the scheduler thread keeps about its questions.
+
+    Only the scheduler thread touches the probes; the lookup thread gets
+    batches through a bounded queue and hands answers back through another,
+    drained by the scheduler thread (no lock around the probes, as in vLLM's
+    ``AsyncLookupManager``).
+    """
+
+    def __init__(self, stored: Stored, stats: ConnectorStats, *, timeout_s: float, max_batches: int) -> None:
+        self._stored = stored
+        self.stats = stats
+        self.timeout_s = timeout_s
+        self._probes: dict[Hashable, _Probe] = {}  # sharing key -> probe not yet answered
+        self._of_request: dict[str, _Probe] = {}
+        self._batch: list[_Probe] = []  # asked this step, submitted at its end
+        self._queue: queue.Queue[list[_Probe] | None] = queue.Queue(maxsize=max_batches)
+        self._answers: queue.SimpleQueue[list[tuple[_Probe, Answer]]] = queue.SimpleQueue()
+        self._unanswered = 0  # batches queued or being answered (wait_idle)
+        self._idle = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._warned = False
+
+    # ---- scheduler thread -------------------------------------------------------------
+    def ask(self, req_id: str, key: Hashable, question: Question) -> Answer | None:
+        """The answer to ``req_id``'s question, or None: asked (or still in the air), ask again next step."""
+        self._drain()
+        probe = self._of_request.get(req_id)
+        if probe is None:
+            probe = self._probes.get(key)
+            if probe is None:
+                probe = self._probes[key] = _Probe(key, question)
+                self._batch.append(probe)
+            else:
+                self.stats.add(lookups_shared=1)
+            probe.requests.add(req_id)
+            self._of_request[req_id] = probe
+        if probe.answer is None and probe.deadline is not None and time.monotonic() >= probe.deadline:
+            self._settle(probe, dataclasses.replace(MISS, how="timeout"))
+            self._warn(f"the store did not answer a lookup within lookup_timeout_s {self.timeout_s} s; "
+                       "computing those prefixes instead")
+        if probe.answer is None:
+            self.stats.add(lookup_retries=1)
+            return None
+        self.forget(req_id)
+        if probe.answer.how in _GIVEN_UP:
+            self.stats.add(**{_GIVEN_UP[probe.answer.how]: 1})
+        return probe.answer
+
+    def flush(self) -> None:
+        """End of a scheduler step: this step's new questions go to the lookup thread as one batch."""
+        self._drain()
+        batch, self._batch = [p for p in self._batch if p.requests], []
+        if not batch:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        for probe in batch:
+            probe.deadline = deadline
+        self._start()
+        with self._idle:
+            self._unanswered += 1
+        try:
+            self._queue.put_nowait(batch)
+        except queue.Full:
+            with self._idle:
+                self._unanswered -= 1
+            for probe in batch:
+                self._settle(probe, dataclasses.replace(MISS, how="queue_full"))
+            self._warn("the lookup queue is full (the store is slower than requests arrive); computing those prefixes")
+            return
+        self.stats.add(lookup_batches=1, lookup_batch_requests=sum(len(p.requests) for p in batch))
+
+    def forget(self, req_id: str) -> None:
+        """``req_id`` no longer waits (answered, finished or aborted): an answer nobody waits for is dropped."""
+        probe = self._of_request.pop(req_id, None)
+        if probe is None:
+            return
+        probe.requests.discard(req_id)
+        if not probe.requests and probe.deadline is None:  # never submitted: ask nobody
+            self._batch = [p for p in self._batch if p is not probe]
+            self._drop(probe)
+
+    def in_flight(self) -> bool:
+        """Whether a submitted batch has no answer yet."""
+        return self._unanswered > 0
+
+    def waiting(self) -> list[str]:
+        """Requests whose question has no answer they took yet (tests check none is left)."""
+        return list(self._of_request)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every submitted batch is answered, and take the answers (tests, to step deterministically)."""
+        with self._idle:
+            done = self._idle.wait_for(lambda: self._unanswered == 0, timeout)
+        self._drain()
+        return done
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            try:
+                self._queue.put_nowait(None)
+            except queue.Full:
+                pass  # a thread stuck on a hung store: a daemon, it goes with the process
+            self._thread.join(timeout=1.0)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                answers = self._answers.get_nowait()
+            except queue.Empty:
+                return
+            for probe, answer in answers:
+                if probe.answer is None:  # not given up on meanwhile (timeout)
+                    self._settle(probe, answer)
+
+    def _settle(self, probe: _Probe, answer: Answer) -> None:
+        probe.answer = answer
+        self._drop(probe)  # requests asking the same from now on ask the store anew
+
+    def _drop(self, probe: _Probe) -> None:
+        if self._probes.get(probe.key) is probe:
+            del self._probes[probe.key]
+
+    def _warn(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning("kvcodec: %s", message)
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvcodec-lookup", daemon=True)
+            self._thread.start()
+
+    # ---- lookup thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while (batch := self._queue.get()) is not None:
+            try:
+                answers = answer_questions([p.question for p in batch], self._stored)
+            except Exception:  # noqa: BLE001 - never let a lookup kill the thread: a miss
+                logger.exception("kvcodec: lookup failed; computing those prefixes")
+                self.stats.add(lookup_failures=1)
+                answers = [MISS] * len(batch)
+            self._answers.put(list(zip(batch, answers)))
+            with self._idle:
+                self._unanswered -= 1
+                self._idle.notify_all()
