@@ -61,7 +61,7 @@ demo: install
 	$(PY) -m vllm_kvcodec.tools.cli demo
 
 test: install redis-server libibverbs
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs --durations=25
 
 $(STAMP_LATEST): pyproject.toml
 	test -x $(PY_LATEST) || $(PYTHON) -m venv $(VENV_LATEST)
