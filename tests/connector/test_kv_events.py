@@ -130,7 +130,7 @@ def test_each_saved_chunk_is_announced_once_it_landed_in_vllm_block_hashes(tmp_p
 def test_nothing_is_announced_before_the_save_landed(tmp_path, store, kv_events_on) -> None:
     """The steps that plan the saves publish no store event: the put has not happened yet."""
     p = prompt(64)
-    e, rec = make(tmp_path, store)
+    e, rec = make(tmp_path, store, block_hits=False)  # two chunks, no tail
     e.add("a", p, max_tokens=1)
     record = e.step()  # plans both chunks' saves; their outcomes come in a later report
     assert len(record.saves) == 2

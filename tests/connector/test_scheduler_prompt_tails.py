@@ -1,4 +1,4 @@
-"""Prompt tails (``prompt_tails``) through vLLM's real Scheduler, step by step.
+"""Prompt tails (``block_hits``, formerly ``prompt_tails``) through vLLM's real Scheduler, step by step.
 
 A tail is a prompt's KV past its last full chunk, in whole blocks up to the
 block holding its last token. The harness checks every plan against the block
@@ -58,7 +58,8 @@ def test_a_replayed_prompt_loads_every_block_but_the_last_tokens(tmp_path, store
     p = prompt(n)
     first = make(tmp_path, store, pipelined, load_mode=load_mode)
     run_one(first, "a", p)
-    assert first.scheduler_stats().get("tail_saves_planned", 0) == (1 if replayable(n) % CHUNK else 0)
+    # a tail only where its chunk is not full in the prompt (256: chunk 3 is saved whole, with its block refs)
+    assert first.scheduler_stats().get("tail_saves_planned", 0) == (1 if replayable(n) % CHUNK and n % CHUNK else 0)
     first.assert_empty()
     again = make(tmp_path, store, pipelined, load_mode=load_mode)
     run_one(again, "replay", p)
@@ -82,7 +83,7 @@ def test_the_next_turn_loads_the_last_turns_tail(tmp_path, store, pipelined) -> 
     tail = spec.chunks[-1]
     assert tail.object_tokens == replayable(len(turn1)) - CHUNK  # turn 1's tail: 32 tokens after chunk 0
     assert loaded_tokens(f, "turn2") == replayable(len(turn1))
-    assert f.scheduler_stats()["tail_saves_planned"] == 1
+    assert f.scheduler_stats().get("tail_saves_planned", 0) == 0  # 192 tokens: chunk 2 is full, saved with its refs
     f.assert_empty()
 
 

@@ -524,17 +524,26 @@ class Engine:
             for chunk in spec.chunks:
                 size = chunk.object_tokens or cs
                 c = _chunk_index(ns, tokens, hashes, chunk.chunk_hash, size)
+                if c < 0:  # another prompt's object, named by a block ref of this prompt's: only the shared blocks
+                    c, size = _ref_index(self.connector.scheduler.store, ns, tokens, hashes, chunk.chunk_hash,
+                                         self.connector.scheduler.cache_groups.hit_alignment)
                 if c < 0:
                     raise Violation(f"load of {spec.req_id} names chunk {chunk.chunk_hash[:8]} not of its prompt")
                 self._check_load_spans(spec.req_id, c, chunk.spans, groups, len(tokens), size)
         for spec in meta.saves:
             tokens = self.requests[spec.req_id].all_token_ids
-            done = min(computed[spec.req_id] + out.num_scheduled_tokens[spec.req_id], len(tokens))
+            if spec.req_id in out.num_scheduled_tokens:
+                done = min(computed[spec.req_id] + out.num_scheduled_tokens[spec.req_id], len(tokens))
+            elif spec.req_id in meta.finishing:  # a finished request's tail: every token but the last has its KV
+                done = len(tokens) - 1
+            else:
+                raise Violation(f"save of {spec.req_id}, neither scheduled nor finishing")
             size = len(spec.group_slots[0])
             c = _chunk_index(ns, tokens, chunk_hashes(ns, tokens, len(tokens) // cs), spec.chunk_hash, size)
             if c < 0 or c * cs + size > done:
                 raise Violation(f"save of {spec.req_id} names chunk {spec.chunk_hash[:8]}, not complete after this step")
-            for g, (table, slots) in enumerate(zip(tables[spec.req_id], spec.group_slots, strict=True)):
+            table_of = tables.get(spec.req_id) or self.block_tables(spec.req_id)
+            for g, (table, slots) in enumerate(zip(table_of, spec.group_slots, strict=True)):
                 if slots != self._slots(table, c * cs, c * cs + size, f"save of {spec.req_id} chunk {c} group {g}"):
                     raise Violation(f"save of {spec.req_id} chunk {c} group {g}: slots disagree with its block table")
 
@@ -613,6 +622,22 @@ def _chunk_index(ns: Any, tokens: list[int], hashes: list[str], chunk_hash: str,
         if c * ns.chunk_size + size <= len(tokens) and tail_hash(ns, tokens, hashes[:c], size) == chunk_hash:
             return c
     return -1
+
+
+def _ref_index(store: Any, ns: Any, tokens: list[int], hashes: list[str], chunk_hash: str,
+               align: int) -> tuple[int, int]:
+    """(chunk, tokens) of this prompt's longest whole-block prefix whose stored ref names ``chunk_hash``
+    (``block_hits``); (-1, 0) if none does: the load would write another prompt's KV."""
+    from vllm_kvcodec.block_refs import parse_ref, ref_key
+    from vllm_kvcodec.keys import tail_hash
+
+    cs = ns.chunk_size
+    for c in range(min(len(hashes), len(tokens) // cs) + 1):
+        for t in range(min(cs - 1, len(tokens) - c * cs) // align * align, 0, -align):
+            ref = parse_ref(store.get(ref_key(ns, tail_hash(ns, tokens, hashes[:c], t))), cs, t)
+            if ref is not None and ref.chunk_hash == chunk_hash:
+                return c, t
+    return -1, 0
 
 
 def lookup_modes(request: Any, monkeypatch: Any) -> str:

@@ -183,8 +183,9 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
         return self._s.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._s.request_finished(request)
-        return False, None  # saves copy their chunks out of paged memory within the step: nothing holds blocks
+        # Saves copy their chunks out of paged memory within the step: nothing holds blocks, but the finishing tail
+        # (block_hits), gathered in the next step while vLLM holds the blocks for it (reported as finished sending).
+        return self._s.request_finished(request), None
 
     def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hybrid-manager end of a request (SupportsHMA): the same, for every KV cache group at once."""

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from vllm_kvcodec.connector.config import ConnectorConfig
+    from vllm_kvcodec.connector.lookup import Tail
     from vllm_kvcodec.connector.metadata import ChunkLoad
 
 logger = logging.getLogger("vllm_kvcodec")
@@ -135,21 +136,22 @@ class StoreEvents:
 
     # ---- loads ----------------------------------------------------------------------
     def loading(self, request: "Request", chunks: Iterable["ChunkLoad"], chunk_hashes: Sequence[str],
-                tail_index: int | None, chunk_size: int) -> None:
+                tail: "Tail | None", chunk_size: int) -> None:
         """A load was planned: remember each object's blocks, which a BlockRemoved names if the load fails.
 
         A full chunk is found by its key in the request's chain
-        (``chunk_hashes``); a prompt tail (``object_tokens`` set) starts at
-        chunk ``tail_index``.
+        (``chunk_hashes``); the blocks after the hit chunks (``tail``) are
+        the first ``tail.tokens`` of chunk ``tail.index``, whatever object
+        holds them.
         """
         if not self.enabled:
             return
         objects, positions = {}, {h: i for i, h in enumerate(chunk_hashes)}
         for c in chunks:
-            index = tail_index if c.object_tokens is not None else positions.get(c.chunk_hash)
-            if index is not None:
-                objects[c.chunk_hash] = self._blocks(request, index * chunk_size, c.object_tokens or chunk_size,
-                                                     with_tokens=False)
+            if tail is not None and c.chunk_hash == tail.chunk_hash:
+                objects[c.chunk_hash] = self._blocks(request, tail.index * chunk_size, tail.tokens, with_tokens=False)
+            elif (index := positions.get(c.chunk_hash)) is not None:
+                objects[c.chunk_hash] = self._blocks(request, index * chunk_size, chunk_size, with_tokens=False)
         _bounded_put(self._loads, request.request_id, objects)
 
     def load_settled(self, req_id: str, outcome: LoadOutcome) -> None:

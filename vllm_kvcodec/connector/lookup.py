@@ -1,4 +1,4 @@
-"""Lookup: which of a request's chunks (and, with ``prompt_tails``, which tail after them) the store holds.
+"""Lookup: which of a request's chunks (and, with ``block_hits``, how many blocks after them) the store holds.
 
 Why its own room: in a fleet the store is a network hop away, and vLLM's
 scheduler loop stops for every call the connector makes. A lookup made
@@ -12,7 +12,9 @@ per arriving request: 32 arrivals at 10 ms RTT held one ``schedule()`` for
 - at the end of the step (``build_connector_meta``) every question of the
   step goes to one background thread as one batch, answered with one
   ``exists_many`` over all their chunk keys (each distinct key once), then
-  one more over the tail candidates that the chunk hits make possible;
+  one read of the block refs (:mod:`~vllm_kvcodec.block_refs`) of the
+  whole-block prefixes the chunk hits make possible, and one check that the
+  objects the longest of them name are stored;
 - requests asking the same question (same chunks, same tail tokens) share
   one probe, also across steps while it is in flight;
 - a batch that finds the thread's queue full, and a probe the store has not
@@ -34,23 +36,32 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 
+from vllm_kvcodec.block_refs import Ref
 from vllm_kvcodec.identity import PromptIdentity
 from vllm_kvcodec.keys import Namespace, tail_hash
 from vllm_kvcodec.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")
 
-#: Per chunk (or tail) key, whether the store holds all of it; None when the store did not answer.
+#: Per chunk key, whether the store holds all of it; None when the store did not answer.
 Stored = Callable[[list[str]], "list[bool] | None"]
+#: Per block-prefix hash, the ref found there if the object it names is stored; None when the store did not answer.
+Resolve = Callable[[list[str]], "list[Ref | None] | None"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Tail:
-    """A prompt tail: ``tokens`` (fewer than a chunk) from the start of chunk ``index``, stored under ``chunk_hash``."""
+    """Whole blocks after the hit chunks: ``tokens`` (fewer than a chunk) from the start of chunk ``index``, the
+    first tokens of the object ``chunk_hash``, which holds ``object_tokens`` (a prompt's tail, or a chunk)."""
 
     index: int
     chunk_hash: str
     tokens: int
+    object_tokens: int = 0  # 0: exactly ``tokens``
+
+    @property
+    def stored_tokens(self) -> int:
+        return self.object_tokens or self.tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +85,7 @@ _GIVEN_UP = {"timeout": "lookup_timeouts", "queue_full": "lookups_queue_full"}
 
 @dataclasses.dataclass(frozen=True)
 class Question:
-    """One request's question: its loadable chunks, and (``prompt_tails``) its tail candidates after a hit."""
+    """One request's question: its loadable chunks, and (``block_hits``) its block-prefix candidates after a hit."""
 
     chunk_hashes: Sequence[str]
     tails: Callable[[int], list[Tail]] | None = None  # hit (in chunks) -> candidates there, longest first
@@ -93,10 +104,11 @@ def tail_candidates(namespace: Namespace, tokens: Sequence[int], identity: Promp
             for t in range(longest, 0, -align)]
 
 
-def answer_questions(questions: Sequence[Question], stored: Stored) -> list[Answer]:
-    """Every question, with one store call over all their chunks and one over the tails their hits allow.
+def answer_questions(questions: Sequence[Question], stored: Stored, resolve: Resolve) -> list[Answer]:
+    """Every question, with one store call over all their chunks and one (plus its check) over the block
+    prefixes their hits allow.
 
-    The tails can only be asked once the chunk hits are known (a tail hangs
+    The prefixes can only be asked once the chunk hits are known (they hang
     off the chain right after them), hence two calls, not one.
     """
     chunk_keys = list(dict.fromkeys(h for q in questions for h in q.chunk_hashes))
@@ -106,10 +118,17 @@ def answer_questions(questions: Sequence[Question], stored: Stored) -> list[Answ
     present = dict(zip(chunk_keys, found))
     hits = [next((c for c, h in enumerate(q.chunk_hashes) if not present[h]), len(q.chunk_hashes)) for q in questions]
     candidates = [q.tails(hit) if q.tails is not None else [] for q, hit in zip(questions, hits)]
-    tail_keys = list(dict.fromkeys(t.chunk_hash for ts in candidates for t in ts))
-    tail_found = (stored(tail_keys) if tail_keys else None) or [False] * len(tail_keys)
-    held = dict(zip(tail_keys, tail_found))
-    return [Answer(hit, next((t for t in ts if held[t.chunk_hash]), None)) for hit, ts in zip(hits, candidates)]
+    prefix_keys = list(dict.fromkeys(t.chunk_hash for ts in candidates for t in ts))
+    refs = dict(zip(prefix_keys, (resolve(prefix_keys) if prefix_keys else None) or [None] * len(prefix_keys)))
+    return [Answer(hit, _longest(ts, refs)) for hit, ts in zip(hits, candidates)]
+
+
+def _longest(candidates: list[Tail], refs: dict[str, Ref | None]) -> Tail | None:
+    """The longest candidate with a ref, as the object to load and how many of its tokens."""
+    for t in candidates:
+        if (ref := refs[t.chunk_hash]) is not None and ref.object_tokens >= t.tokens:
+            return Tail(t.index, ref.chunk_hash, t.tokens, 0 if ref.object_tokens == t.tokens else ref.object_tokens)
+    return None
 
 
 @dataclasses.dataclass(eq=False)
@@ -132,8 +151,9 @@ class AsyncLookup:
     ``AsyncLookupManager``).
     """
 
-    def __init__(self, stored: Stored, stats: ConnectorStats, *, timeout_s: float, max_batches: int) -> None:
-        self._stored = stored
+    def __init__(self, stored: Stored, resolve: Resolve, stats: ConnectorStats, *, timeout_s: float,
+                 max_batches: int) -> None:
+        self._stored, self._resolve = stored, resolve
         self.stats = stats
         self.timeout_s = timeout_s
         self._probes: dict[Hashable, _Probe] = {}  # sharing key -> probe not yet answered
@@ -260,7 +280,7 @@ class AsyncLookup:
     def _run(self) -> None:
         while (batch := self._queue.get()) is not None:
             try:
-                answers = answer_questions([p.question for p in batch], self._stored)
+                answers = answer_questions([p.question for p in batch], self._stored, self._resolve)
             except Exception:  # noqa: BLE001 - never let a lookup kill the thread: a miss
                 logger.exception("kvcodec: lookup failed; computing those prefixes")
                 self.stats.add(lookup_failures=1)

@@ -33,13 +33,15 @@ class ChunkLoad:
     sliding-window group's span also leaves out the tokens whose blocks vLLM
     did not allocate (outside the window of the hit). ``block_ids`` are every
     block the load writes, of all groups. A prompt tail (``prompt_tails``) is
-    an object of fewer tokens than a chunk, as ``object_tokens`` says.
+    an object of fewer tokens than a chunk, as ``object_tokens`` says; a
+    load through a block ref (:mod:`~vllm_kvcodec.block_refs`) writes only the
+    first of the object's tokens.
     """
 
     chunk_hash: str
     spans: list[Span]
     block_ids: list[int]
-    object_tokens: int | None = None  # tokens the stored object holds: None for a full chunk, fewer for a prompt tail
+    object_tokens: int | None = None  # tokens the stored object holds: None for a full chunk, fewer for a tail
 
     @property
     def tokens(self) -> int:
@@ -77,6 +79,7 @@ class SaveSpec:
     chunk_hash: str
     group_slots: list[list[int]]  # the chunk's slots in each KV cache group's blocks
     failures_seen: int = 0
+    refs: list[str] = dataclasses.field(default_factory=list)  # its whole-block prefixes, whose refs rank 0 writes (block_refs.py)
 
     @property
     def slots(self) -> list[int]:
@@ -109,6 +112,9 @@ class KVCodecMetadata(KVConnectorMetadata):
     idle: bool = False
     prefetches: list[PrefetchSpec] = dataclasses.field(default_factory=list)
     prefetch_done: list[str] = dataclasses.field(default_factory=list)  # requests whose prefetched objects go
+    # finished requests whose blocks vLLM holds for their finishing tail (in ``saves``): the worker reports them
+    # as finished sending once it has gathered it, and vLLM frees their blocks
+    finishing: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

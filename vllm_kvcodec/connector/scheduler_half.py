@@ -8,12 +8,16 @@ many tokens beyond its local prefix cache it can load, and turns block
 allocations into slot mappings for the worker half: loads of stored chunks,
 and saves of every chunk that becomes full, prompt or output, including
 chunks completed across several steps of a chunked prefill. With
-``prompt_tails`` it also saves each prompt's tail past its last full chunk
-(whole blocks, up to the block holding the last token) under a key that hangs
-off the chain (:func:`~vllm_kvcodec.keys.tail_hash`), and a lookup asks, in
-a second batched check, for the longest stored tail right after its hit
-chunks: a replayed prompt, or the next turn of a chat, then recomputes one
-block instead of up to a chunk.
+``block_hits`` (the default) a hit ends where vLLM's own prefix cache would
+end: it also saves each prompt's tail past its last full chunk (whole blocks,
+up to the block holding the last token) under a key that hangs off the chain
+(:func:`~vllm_kvcodec.keys.tail_hash`), and, when a request finishes, the
+part of prompt and answer past their last full chunk (a chat's next turn);
+every saved object gets a ref per whole-block prefix
+(:mod:`~vllm_kvcodec.block_refs`), and a lookup reads, in a second batched
+call, the refs of the whole-block prefixes right after its hit chunks and
+loads the longest that is stored: the same tokens vLLM would take from its
+own cache, so the same rounding and the same greedy tokens.
 
 Block ids come per vLLM KV cache group (the hybrid manager's groups, see
 :mod:`~.cache_groups`): loads write each group's allocated blocks (a
@@ -42,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from storage import StoreError
 from storage.outage import StoreDownError
+from vllm_kvcodec.block_refs import Ref, parse_ref, prefix_hashes, ref_key
 from vllm_kvcodec.connector.cache_groups import CacheGroups
 from vllm_kvcodec.connector.cache_identity import agreed_scales, is_fp8
 from vllm_kvcodec.connector.config import ConnectorConfig
@@ -76,6 +81,13 @@ INFLIGHT_SLACK_S = 10.0
 LOOKUP_IDLE_WAIT_S = 0.01
 
 
+def _finished_whole() -> frozenset[Any]:
+    """Request statuses whose every step ran to its end (stop or length): their KV up to the last token is written."""
+    from vllm.v1.request import RequestStatus
+
+    return frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
+
+
 @dataclasses.dataclass
 class _Tracked:
     """What the scheduler half remembers about one request."""
@@ -92,9 +104,10 @@ class _Tracked:
     save_attempts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     failures_seen: int = 0  # failed loads of this request reported so far (echoed in SaveSpec)
     deferred: set[int] = dataclasses.field(default_factory=set)  # chunks not planned while the store was down
-    tail: Tail | None = None  # the stored tail found at the last lookup (prompt_tails)
+    tail: Tail | None = None  # the whole blocks after the hit chunks found at the last lookup (block_hits)
     tail_planned: bool = False  # this request's own tail was planned for saving (or needs none)
     tail_save: str = ""  # the key its own tail was saved under
+    finish_planned: bool = False  # its finishing tail (block_hits) was planned: vLLM holds its blocks until saved
     awaiting_room: dict[int, int] = dataclasses.field(default_factory=dict)  # chunk (TAIL: tail) -> bytes it needs
     waiting_on: set[str] = dataclasses.field(default_factory=set)  # chunks it left to another request's save
     prefetching: bool = False  # the worker was asked to fetch its hit ahead (see prefetch.py)
@@ -120,8 +133,9 @@ class SchedulerHalf:
         self._awaiting_room: dict[str, None] = {}  # requests with saves dropped for want of queue room, oldest first
         self._waiters: dict[str, set[str]] = {}  # chunk hash -> requests that left its save to another's claim
         self._pending_loads: list[LoadSpec] = []
+        self._finishing: list[SaveSpec] = []  # finishing tails of requests vLLM ended (see _plan_finish)
         self.lookup_mode = config.lookup_mode()
-        self.lookups = (AsyncLookup(self._stored, self.stats, timeout_s=config.lookup_timeout_s,
+        self.lookups = (AsyncLookup(self._stored, self._resolve, self.stats, timeout_s=config.lookup_timeout_s,
                                     max_batches=config.lookup_queue)
                         if self.lookup_mode == "async" and config.load else None)
         self._prefetches = config.prefetches()
@@ -184,14 +198,14 @@ class SchedulerHalf:
     def _reads_inflight(self, tracked: _Tracked, loadable: list[str], tokens: int) -> bool:
         """Whether the chunks of its first ``tokens`` (local hit and load) are being loaded by some request.
 
-        With ``prompt_tails`` that includes any tail in flight after any of
+        With ``block_hits`` that includes any tail in flight after any of
         those chunks' predecessors, whatever its length (in-flight tails are
         tracked under their position as well as their key): its blocks may be
         part of this request's local hit.
         """
         reads = -(-tokens // self.chunk)
         busy = tracked.hashes[: min(reads, len(loadable))]
-        if self.config.prompt_tails and tracked.identity is not None:
+        if self.config.block_hits and tracked.identity is not None:
             busy += [tail_position(self.namespace, loadable[:k], tracked.identity) for k in range(min(reads, len(loadable) + 1))]
         return self.ledger.busy(busy)
 
@@ -212,7 +226,7 @@ class SchedulerHalf:
         return tracked.hashes[:num_chunks]
 
     def _look_up(self, tracked: _Tracked, loadable: list[str]) -> Answer | None:
-        """The longest stored prefix in whole chunks, then (``prompt_tails``) the longest stored tail right after it.
+        """The longest stored prefix in whole chunks, then (``block_hits``) the longest stored block prefix after it.
 
         Inline (``lookup`` sync), or asked of the lookup thread (async:
         None until its answer is in, see :mod:`~.lookup`). A replay finds its
@@ -222,7 +236,7 @@ class SchedulerHalf:
         if not self.config.load:
             return Answer(0)
         tails = None
-        if self.config.prompt_tails and tracked.identity is not None:
+        if self.config.block_hits and tracked.identity is not None:
             tokens = list(tracked.request.all_token_ids)  # a snapshot: the lookup thread hashes it
             namespace, identity, align = self.namespace, tracked.identity, self.cache_groups.hit_alignment
 
@@ -235,7 +249,7 @@ class SchedulerHalf:
             return Answer(0)
         question = Question(loadable, tails)
         if self.lookups is None:
-            return answer_questions([question], self._stored)[0]
+            return answer_questions([question], self._stored, self._resolve)[0]
         key = (tuple(loadable), tracked.identity, tuple(tokens[len(loadable) * self.chunk:]) if tails else None)
         return self.lookups.ask(tracked.request.request_id, key, question)
 
@@ -257,6 +271,25 @@ class SchedulerHalf:
         per = len(keys[0])
         return [all(found[c * per : (c + 1) * per]) for c in range(len(hashes))]
 
+    def _resolve(self, prefixes: list[str]) -> list[Ref | None] | None:
+        """Per whole-block prefix, its ref if one is stored and every object it names is (two store calls);
+        None when the store did not answer (counted: a miss)."""
+        try:
+            blobs = self.store.get_many([ref_key(self.namespace, h) for h in prefixes])
+        except StoreDownError:
+            self.stats.add(lookup_failures=1, lookups_store_down=1)
+            return None
+        except StoreError as exc:
+            self.stats.add(lookup_failures=1)
+            logger.warning("kvcodec: reading block refs failed, computing those blocks instead: %s", exc)
+            return None
+        refs = [parse_ref(b, self.chunk, 1) for b in blobs]
+        self.stats.add(refs_read=sum(b is not None for b in blobs), refs_invalid=sum(
+            b is not None and r is None for b, r in zip(blobs, refs)))
+        targets = list(dict.fromkeys(r.chunk_hash for r in refs if r is not None))
+        held = dict(zip(targets, self._stored(targets) or [False] * len(targets))) if targets else {}
+        return [r if r is not None and held[r.chunk_hash] else None for r in refs]
+
     # ---- load planning --------------------------------------------------------------
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         tracked = self._requests.get(request.request_id)
@@ -270,10 +303,11 @@ class SchedulerHalf:
         self._pending_loads.append(LoadSpec(request.request_id, chunks, is_async=self.config.load_mode == "async"))
         first_tokens = {c.chunk_hash: max(start, (start // self.chunk + i) * self.chunk) for i, c in enumerate(chunks)}
         busy = [c.chunk_hash for c in chunks]
-        if chunks and chunks[-1].object_tokens is not None:  # a tail: also busy under its position (see _reads_inflight)
+        if tracked.tail is not None and chunks and chunks[-1].chunk_hash == tracked.tail.chunk_hash:  # also busy under
+            # its position (see _reads_inflight)
             busy.append(tail_position(self.namespace, tracked.hashes[: tracked.tail.index], tracked.identity))
         self.ledger.start(request.request_id, busy, first_tokens, tracked.block_ids)
-        self.events.loading(request, chunks, tracked.hashes, tracked.tail.index if tracked.tail else None, self.chunk)
+        self.events.loading(request, chunks, tracked.hashes, tracked.tail, self.chunk)
 
     def _chunk_loads(self, tracked: _Tracked, start: int, end: int) -> list[ChunkLoad]:
         """Per chunk of ``[start, end)``, each group's allocated blocks there (a window group's window only)."""
@@ -285,8 +319,9 @@ class SchedulerHalf:
             blocks = sorted({s // bs for span, bs in zip(spans, self.block_sizes) for s in span.slots})
             if not blocks:  # nothing to write: a chunk left of every window group's window (all-window models)
                 continue
-            if tail is not None and c == tail.index:  # the load ends in the prompt tail found at lookup
-                loads.append(ChunkLoad(tail.chunk_hash, spans, blocks, object_tokens=tail.tokens))
+            if tail is not None and c == tail.index:  # the load ends in the blocks found after the hit chunks
+                held = tail.stored_tokens
+                loads.append(ChunkLoad(tail.chunk_hash, spans, blocks, object_tokens=held if held < self.chunk else None))
             else:
                 loads.append(ChunkLoad(tracked.hashes[c], spans, blocks))
         return loads
@@ -321,6 +356,8 @@ class SchedulerHalf:
         if self.config.save:
             for req_id, n in scheduler_output.num_scheduled_tokens.items():
                 meta.saves.extend(self._plan_saves(req_id, n))
+        meta.saves.extend(self._finishing)
+        meta.finishing, self._finishing = [s.req_id for s in self._finishing], []
         return meta
 
     def _plan_prefetches(self, meta: KVCodecMetadata, out: "SchedulerOutput") -> None:
@@ -397,9 +434,9 @@ class SchedulerHalf:
                 self.stats.add(saves_dropped_window_freed=1)  # a window group freed them: a retry cannot gather it
                 continue
             tracked.save_attempts[c] += 1
-            saves.append(self._save_spec(tracked, hashes[c], c * self.chunk, self.chunk))
+            saves.append(self._save_spec(tracked, hashes[c], c * self.chunk, self.chunk, self._refs(tracked, c, self.chunk)))
         tracked.next_save = max(tracked.next_save, full)
-        if self.config.prompt_tails and not tracked.tail_planned and tracked.computed + scheduled >= tracked.request.num_prompt_tokens:
+        if self.config.block_hits and not tracked.tail_planned and tracked.computed + scheduled >= tracked.request.num_prompt_tokens:
             saves.extend(self._plan_tail(tracked))
         return saves
 
@@ -409,10 +446,18 @@ class SchedulerHalf:
         tracked.waiting_on.add(chunk_hash)
         self._waiters.setdefault(chunk_hash, set()).add(tracked.request.request_id)
 
-    def _save_spec(self, tracked: _Tracked, chunk_hash: str, first: int, tokens: int) -> SaveSpec:
+    def _save_spec(self, tracked: _Tracked, chunk_hash: str, first: int, tokens: int, refs: list[str]) -> SaveSpec:
         slots = [slots_for_tokens(table, bs, first, first + tokens).tolist() for table, bs in zip(tracked.block_ids, self.block_sizes)]
         self.events.saving(tracked.request, chunk_hash, first, tokens)
-        return SaveSpec(tracked.request.request_id, chunk_hash, slots, tracked.failures_seen)
+        return SaveSpec(tracked.request.request_id, chunk_hash, slots, tracked.failures_seen, refs)
+
+    def _refs(self, tracked: _Tracked, index: int, tokens: int) -> list[str]:
+        """The whole-block prefixes of an object of ``tokens`` tokens at chunk ``index`` (block_hits; see
+        block_refs.py): what a prompt sharing only those blocks looks up."""
+        if not self.config.block_hits or tracked.identity is None:
+            return []
+        return prefix_hashes(self.namespace, tracked.request.all_token_ids, tracked.hashes[:index], tokens,
+                             self.cache_groups.hit_alignment, tracked.identity)
 
     def _plan_tail(self, tracked: _Tracked) -> list[SaveSpec]:
         """The prompt's tail, in the step that computes its last token: whole blocks past its last full chunk up to
@@ -422,10 +467,12 @@ class SchedulerHalf:
         index, tokens = divmod((tracked.request.num_prompt_tokens - 1) // align * align, self.chunk)
         if not tokens or tracked.save_attempts[TAIL] >= MAX_SAVE_ATTEMPTS or TAIL in tracked.awaiting_room:
             return []
+        if (index + 1) * self.chunk <= tracked.request.num_prompt_tokens:
+            return []  # its chunk is full, saved as a chunk: that chunk's refs name these blocks
         chunk_hash = tail_hash(self.namespace, tracked.request.all_token_ids, self._hashes(tracked, index), tokens,
                                tracked.identity)
-        if tracked.tail is not None and tracked.tail.chunk_hash == chunk_hash:
-            return []  # it came from the store
+        if tracked.tail is not None and tracked.tail.index == index and tracked.tail.tokens >= tokens:
+            return []  # it came from the store: its blocks have a ref (that is how it was found)
         if not self.claims.claim(chunk_hash):
             tracked.tail_save = chunk_hash  # another request's save of the same tail: planned again if it fails
             self._wait_for(tracked, chunk_hash)
@@ -437,7 +484,7 @@ class SchedulerHalf:
         tracked.save_attempts[TAIL] += 1
         tracked.tail_save = chunk_hash
         self.stats.add(tail_saves_planned=1)
-        return [self._save_spec(tracked, chunk_hash, index * self.chunk, tokens)]
+        return [self._save_spec(tracked, chunk_hash, index * self.chunk, tokens, self._refs(tracked, index, tokens))]
 
     def _blocks_held(self, tracked: _Tracked, chunk: int, tokens: int | None = None) -> bool:
         """Whether every group still holds chunk ``chunk``'s blocks in this step (a window group frees those below it).
@@ -563,7 +610,8 @@ class SchedulerHalf:
             del self._awaiting_room[req_id]
 
     # ---- end ------------------------------------------------------------------------
-    def request_finished(self, request: "Request") -> None:
+    def request_finished(self, request: "Request") -> bool:
+        """Forget the request; True when vLLM must hold its blocks until its finishing tail is gathered."""
         tracked = self._requests.pop(request.request_id, None)  # its load, if in flight, stays in the ledger
         self._awaiting_room.pop(request.request_id, None)
         if self.lookups is not None:
@@ -577,6 +625,39 @@ class SchedulerHalf:
                 waiters.discard(request.request_id)
                 if not waiters:
                     del self._waiters[chunk_hash]
+        return tracked is not None and self._plan_finish(tracked)
+
+    def _plan_finish(self, tracked: _Tracked) -> bool:
+        """The finishing tail: prompt and answer past their last full chunk, whole blocks up to the last token's.
+
+        What vLLM's own cache keeps of a finished request, and what the next
+        turn of a chat shares; the full chunks of the answer were saved as
+        they filled. Only for a request that ended by a stop or its length
+        (an aborted one may have KV of unfinished steps), whose blocks hold KV
+        that no failed load touched. vLLM holds the blocks until the worker
+        reports the request as finished sending, after gathering the tail in
+        the next step (its ``delay_free_blocks`` contract).
+        """
+        request = tracked.request
+        if (not (self.config.save and self.config.block_hits) or tracked.identity is None or self._awaiting_identity
+                or self.store.is_down or not tracked.block_ids or tracked.failures_seen
+                or request.status not in _finished_whole()):
+            return False
+        align = self.cache_groups.hit_alignment
+        index, tokens = divmod((request.num_tokens - 1) // align * align, self.chunk)
+        if not tokens or (tracked.tail is not None and tracked.tail.index == index and tracked.tail.tokens >= tokens):
+            return False  # whole chunks only (saved as they filled), or loaded: their refs name these blocks
+        chunk_hash = tail_hash(self.namespace, request.all_token_ids, self._hashes(tracked, index), tokens,
+                               tracked.identity)
+        if chunk_hash == tracked.tail_save or not self.claims.claim(chunk_hash):
+            return False  # the prompt's tail (an answer of no whole block), or another request saves it
+        if not self._blocks_held(tracked, index, tokens):
+            self.claims.release(chunk_hash)
+            return False
+        self._finishing.append(self._save_spec(tracked, chunk_hash, index * self.chunk, tokens,
+                                               self._refs(tracked, index, tokens)))
+        self.stats.add(finish_tail_saves_planned=1)
+        return True
 
     def state(self) -> dict[str, Any]:
         """What is held between steps (tests check it is empty once the engine is)."""

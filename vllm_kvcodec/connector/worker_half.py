@@ -82,6 +82,7 @@ class WorkerHalf:
         self._layer_of: dict[str, int] = {}
         self._shared: set[str] = set()  # layers that read another layer's KV: saved and loaded through it
         self._failed_recving: set[str] = set()  # several KV cache groups: failed loads go per request
+        self._sent: set[str] = set()  # finished requests whose finishing tail was gathered: vLLM frees their blocks
         self._sync_job: LoadJob | None = None
         self._whole_loads = False  # load_wait may make the prefill wait for whole loads (set with the caches)
         self._load_balance = LoadBalance()  # whether recent sync loads were bound by their fetches or their decode
@@ -327,7 +328,8 @@ class WorkerHalf:
             del self._async_jobs[req_id]
         for req_id in finished_req_ids:
             self._load_failures.pop(req_id, None)
-        return None, done or None
+        sending, self._sent = self._sent, set()
+        return sending or None, done or None
 
     def get_transfer_results(self, finished_req_ids: set[str], idle: bool = False) -> KVConnectorTransferResults:
         """Finished async loads, and (several KV cache groups) which of them failed: vLLM recomputes those requests.
@@ -338,10 +340,10 @@ class WorkerHalf:
         """
         if idle:
             self._await_any_async_load(IDLE_POLL_S)
-        _, done = self.get_finished(finished_req_ids)
+        sending, done = self.get_finished(finished_req_ids)
         done = done or set()
         failed, self._failed_recving = self._failed_recving & done, self._failed_recving - done
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        return KVConnectorTransferResults(finished_sending=sending or set(), finished_recving=done, failed_recving=failed)
 
     def _await_any_async_load(self, timeout_s: float) -> None:
         jobs = list(self._async_jobs.values())
@@ -377,8 +379,12 @@ class WorkerHalf:
 
     def wait_for_save(self, meta: KVCodecMetadata | None) -> None:
         self._finish_sync_load()  # a save of this step is only good if this step's loads were
+        if meta is not None and meta.finishing:
+            self._sent.update(meta.finishing)  # gathered below (or given up): vLLM may free their blocks after this step
         if meta is None or not meta.saves or self.save_gather is None or not self.config.save:
             return  # nothing planned, or this rank writes nothing (the scheduler plans for every rank at once)
+        if meta.finishing:
+            self.save_gather.gather_unseen(meta.saves)  # a step without a forward has called no save_kv_layer
         for spec, reason in self.save_gather.end_step(meta.saves, self._computed_over_good_kv):
             if reason == "incomplete":
                 self.stats.add(saves_incomplete=1)

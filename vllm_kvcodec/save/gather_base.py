@@ -33,7 +33,7 @@ class SaveSink(Protocol):
     def unreserve(self, nbytes: int) -> None: ...
 
     def submit(self, chunk_hash: str, kv: torch.Tensor, req_id: str = "", reserved: bool = False,
-               tokens: int | None = None) -> bool: ...
+               tokens: int | None = None, refs: Sequence[str] = ()) -> bool: ...
 
 
 #: ``(req_id, chunk_hash, group_slots)`` of one chunk to save (a :class:`~vllm_kvcodec.connector.metadata.SaveSpec`).
@@ -71,6 +71,18 @@ class SaveGather(abc.ABC):
         for i in self._admitted:
             self._copy(i, layer, kv_layer, saves[i].group_slots[group])
             self._layers_done[i] = self._layers_done.get(i, 0) + 1
+
+    def gather_unseen(self, saves: Sequence[SaveSpecLike]) -> None:
+        """Copy every layer of the step's saves from the caches, unless a forward already did layer by layer.
+
+        vLLM's step after a request finished may run no forward (nothing else
+        scheduled) and so call no ``save_kv_layer``; the finishing tail
+        (block_hits) is gathered here then, from blocks vLLM holds for it.
+        """
+        if self._step is saves:
+            return
+        for layer, cache in enumerate(self.caches):
+            self.gather_layer(layer, cache, saves)
 
     def _begin(self, saves: Sequence[SaveSpecLike]) -> None:
         self._step, self._admitted, self._layers_done = saves, {}, {}

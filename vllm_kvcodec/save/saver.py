@@ -16,12 +16,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import torch
 
 from storage import Store
+from vllm_kvcodec.block_refs import Ref, encode_ref, ref_key
 from vllm_kvcodec.codecs.choice import CodecChooser
 from vllm_kvcodec.format import encode_chunk
 from vllm_kvcodec.keys import ObjectAddresses
@@ -104,8 +105,9 @@ class Saver:
             self._pending -= nbytes
 
     def submit(self, chunk_hash: str, kv: torch.Tensor, req_id: str = "", reserved: bool = False,
-               tokens: int | None = None) -> bool:
-        """Queue ``kv`` ``[layers, 2, chunk, heads, dim]`` for encoding and storing (its bytes reserved, or not yet)."""
+               tokens: int | None = None, refs: Sequence[str] = ()) -> bool:
+        """Queue ``kv`` ``[layers, 2, chunk, heads, dim]`` for encoding and storing (its bytes reserved, or not yet);
+        once it landed, rank 0 writes its block refs ``refs`` (see :mod:`~vllm_kvcodec.block_refs`)."""
         nbytes = kv.numel() * kv.element_size()
         if self._store_is_down():
             if reserved:
@@ -121,7 +123,7 @@ class Saver:
                 self._pending += nbytes
             self._waiting += 1
             future = self._pool.submit(self._encode_put, chunk_hash, kv, nbytes, req_id,
-                                       kv.shape[2] if tokens is None else tokens)
+                                       kv.shape[2] if tokens is None else tokens, refs)
             self._futures.add(future)
         future.add_done_callback(self._forget)
         return True
@@ -162,7 +164,8 @@ class Saver:
             self._waiting -= 1
             return self._waiting >= self.threads
 
-    def _encode_put(self, chunk_hash: str, kv: torch.Tensor, nbytes: int, req_id: str, tokens: int) -> None:
+    def _encode_put(self, chunk_hash: str, kv: torch.Tensor, nbytes: int, req_id: str, tokens: int,
+                    refs: Sequence[str] = ()) -> None:
         landed = False
         try:
             t0 = time.perf_counter()
@@ -183,6 +186,7 @@ class Saver:
                            **{f"codec_{codec.codec_id}_saves": 1},
                            **({"saves_behind": 1} if behind else {}))
             landed = True
+            self._put_refs(chunk_hash, tokens, refs)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an engine error
             self.stats.add(save_failures=1)
             logger.warning("kvcodec: saving chunk %s failed: %s", chunk_hash[:12], exc)
@@ -190,6 +194,20 @@ class Saver:
             with self._lock:
                 self._pending -= nbytes
             self.report(SaveOutcome(req_id, chunk_hash, landed))
+
+    def _put_refs(self, chunk_hash: str, tokens: int, refs: Sequence[str]) -> None:
+        """The object's block refs, after it landed (a ref never names an object not yet stored), by rank 0 only
+        (they are namespace-wide). A ref that fails to land is a shorter hit later, not a failed save."""
+        if not refs or self.addresses.tp_rank != 0:
+            return
+        value = encode_ref(Ref(chunk_hash, tokens))
+        try:
+            self.store.put_many([(ref_key(self.addresses.namespace, h), value) for h in refs])
+        except Exception as exc:  # noqa: BLE001 - refs are an index: losing one costs a shorter hit
+            self.stats.add(ref_save_failures=1)
+            logger.warning("kvcodec: saving the block refs of chunk %s failed: %s", chunk_hash[:12], exc)
+            return
+        self.stats.add(saved_refs=len(refs), saved_ref_bytes=len(refs) * len(value))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued saves (tests, benchmarks, shutdown); True if all finished."""

@@ -203,6 +203,7 @@ def inspect(store: str = typer.Argument(..., help="Store URL, e.g. redis://host:
         ["objects", summary.objects], ["chunks", len(summary.chunks)], ["namespaces", len(summary.namespaces)],
         ["stored bytes", summary.stored_bytes], ["raw bytes", summary.raw_bytes],
         ["average ratio", f"{summary.ratio:.3f}"], ["damaged", summary.damaged],
+        ["block refs", f"{summary.refs} ({summary.ref_bytes} bytes)"],
         ["codecs", ", ".join(f"{c}: {n}" for c, n in summary.codecs.most_common()) or "-"],
     ])
     if summary.damaged:

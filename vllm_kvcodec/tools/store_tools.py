@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 
 from storage import Store
+from vllm_kvcodec.block_refs import is_ref_key
 from vllm_kvcodec.errors import ChunkFormatError
 from vllm_kvcodec.format import read_header
 from vllm_kvcodec.keys import KEY_PREFIX
@@ -24,6 +25,8 @@ class StoreSummary:
     stored_bytes: int = 0
     raw_bytes: int = 0
     damaged: int = 0
+    refs: int = 0  # block refs (block_refs.py): tiny index entries, not chunk objects
+    ref_bytes: int = 0
     namespaces: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     codecs: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     chunks: set = dataclasses.field(default_factory=set)
@@ -40,7 +43,7 @@ def connector_keys(store: Store) -> Iterator[str]:
 def inspect_store(store: Store, progress: Callable[[], None] = lambda: None) -> StoreSummary:
     """Namespaces, chunks, bytes stored vs raw and codecs, from headers (checksums verified)."""
     summary = StoreSummary()
-    for key, blob in _objects(store):
+    for key, blob in _objects(store, summary):
         progress()
         summary.objects += 1
         parts = key.split("/")
@@ -77,8 +80,14 @@ def delete_objects(store: Store, keys: list[str]) -> None:
         store.delete(key)
 
 
-def _objects(store: Store) -> Iterator[tuple[str, bytes]]:
+def _objects(store: Store, summary: StoreSummary | None = None) -> Iterator[tuple[str, bytes]]:
+    """Every chunk object; block refs are counted in ``summary`` and skipped (they have no chunk header)."""
     for key in connector_keys(store):
         blob = store.get(key)
+        if is_ref_key(key):
+            if summary is not None and blob is not None:
+                summary.refs += 1
+                summary.ref_bytes += len(blob)
+            continue
         if blob is not None:  # deleted or evicted since it was listed
             yield key, blob

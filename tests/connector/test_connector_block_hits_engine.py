@@ -1,0 +1,74 @@
+"""Where a hit ends, on a real engine in bf16: the same tokens as vLLM's own prefix cache, wherever sharing stops.
+
+Issue #32's case: a prompt that shares part of a stored one must be served
+exactly the blocks vLLM's local prefix cache would serve (bf16 prefill of a
+suffix over a shorter hit rounds differently, and a near-tie flips a greedy
+token). Each prompt below shares a stored 1400-token prompt up to a
+different position class: a chunk boundary, a block inside a full stored
+chunk, inside a block, a block inside the stored prompt's tail, and the whole
+prompt. The connector's engine (its own cache emptied before each) must load
+as many tokens as vLLM's own cache hits in an engine without the connector,
+and produce the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.engine import BLOCK, connector_config, engine, greedy, worker_connector
+
+pytestmark = pytest.mark.engine
+
+CHUNK = 4 * BLOCK  # 512: refs name blocks inside chunks
+STORED = 1400
+SHARED = {"chunk boundary": 1024, "block inside a full chunk": 640, "inside a block": 700,
+          "block inside the stored tail": 1152, "the whole prompt": STORED}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> dict[str, list[int]]:
+    from vllm_kvcodec.tools.smollm2 import sample_token_ids
+
+    text = sample_token_ids(2000)
+    stored = text[:STORED]
+    other = [t for t in text[STORED:] if t not in stored[-1:]]  # tokens that differ right after the shared part
+    return {"stored": stored, **{name: stored[:n] + (other[: 1500 - n] if n < STORED else []) for name, n in SHARED.items()}}
+
+
+def local_hit(n_shared: int, n_tokens: int) -> int:
+    return min(n_shared // BLOCK, (n_tokens - 1) // BLOCK) * BLOCK
+
+
+@pytest.fixture(scope="module")
+def local(prompts) -> dict[str, tuple[list[int], int]]:
+    """Greedy tokens and cached tokens of each prompt in an engine whose own prefix cache computed the stored one."""
+    from vllm import SamplingParams
+
+    out = {}
+    with engine() as llm:
+        greedy(llm, prompts["stored"])
+        for name in SHARED:
+            (res,) = llm.generate([{"prompt_token_ids": prompts[name]}], SamplingParams(max_tokens=12, temperature=0),
+                                  use_tqdm=False)
+            out[name] = (list(res.outputs[0].token_ids), res.num_cached_tokens)
+    return out
+
+
+def test_a_hit_ends_where_the_local_prefix_cache_ends_with_the_same_tokens(prompts, local, tmp_path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    with engine(connector_config(url, "rans", chunk_size=CHUNK)) as llm:
+        conn = worker_connector()
+        greedy(llm, prompts["stored"])
+        assert conn.flush(120)
+        stats = conn.stats()
+        # 2 full chunks (3 refs each) and the 256-token tail after them (2 refs, one its own)
+        assert stats["saved_chunks"] == 3 and stats["saved_refs"] == 2 * 3 + 2, stats
+        for name, n in SHARED.items():
+            tokens, cached = local[name]
+            assert cached == local_hit(n, len(prompts[name])), name  # vLLM's own cache, block-granular
+            llm.reset_prefix_cache()  # whatever is hit below comes from the store
+            before = conn.stats().get("loaded_tokens", 0)
+            assert greedy(llm, prompts[name]) == tokens, name
+            assert conn.stats().get("loaded_tokens", 0) - before == cached, name
+            assert conn.flush(120)
+        assert conn.stats().get("load_failures", 0) == 0
