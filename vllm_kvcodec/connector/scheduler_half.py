@@ -98,6 +98,7 @@ class _Tracked:
     awaiting_room: dict[int, int] = dataclasses.field(default_factory=dict)  # chunk (TAIL: tail) -> bytes it needs
     waiting_on: set[str] = dataclasses.field(default_factory=set)  # chunks it left to another request's save
     prefetching: bool = False  # the worker was asked to fetch its hit ahead (see prefetch.py)
+    loads: set[int] = dataclasses.field(default_factory=set)  # its loads not reported yet (ledger ids), not others'
 
 
 class SchedulerHalf:
@@ -267,12 +268,14 @@ class SchedulerHalf:
             return
         start = tracked.local_tokens
         chunks = self._chunk_loads(tracked, start, start + num_external_tokens)
-        self._pending_loads.append(LoadSpec(request.request_id, chunks, is_async=self.config.load_mode == "async"))
         first_tokens = {c.chunk_hash: max(start, (start // self.chunk + i) * self.chunk) for i, c in enumerate(chunks)}
         busy = [c.chunk_hash for c in chunks]
         if chunks and chunks[-1].object_tokens is not None:  # a tail: also busy under its position (see _reads_inflight)
             busy.append(tail_position(self.namespace, tracked.hashes[: tracked.tail.index], tracked.identity))
-        self.ledger.start(request.request_id, busy, first_tokens, tracked.block_ids)
+        load_id = self.ledger.start(request.request_id, busy, first_tokens, tracked.block_ids)
+        tracked.loads.add(load_id)
+        self._pending_loads.append(LoadSpec(request.request_id, chunks, is_async=self.config.load_mode == "async",
+                                            load_id=load_id))
         self.events.loading(request, chunks, tracked.hashes, tracked.tail.index if tracked.tail else None, self.chunk)
 
     def _chunk_loads(self, tracked: _Tracked, start: int, end: int) -> list[ChunkLoad]:
@@ -471,7 +474,14 @@ class SchedulerHalf:
             self._room_freed(report.save_room)
 
     def _load_settled(self, req_id: str, outcome: LoadOutcome) -> None:
-        load = self.ledger.settle(req_id)
+        """Settle the load the outcome names (``load_id``): the request now bearing ``req_id`` may be a new one,
+        whose own load stays in flight and whose hit this outcome says nothing about."""
+        load = self.ledger.settle(outcome.load_id)
+        tracked = self._requests.get(req_id)
+        if tracked is not None and outcome.load_id in tracked.loads:
+            tracked.loads.discard(outcome.load_id)
+        else:
+            tracked = None  # gone, or a new request under the id of the one whose load this was
         self.events.load_settled(req_id, outcome)
         if not outcome.failed:
             return
@@ -481,7 +491,6 @@ class SchedulerHalf:
         self.stats.add(failed_load_chunks=len(outcome.failed))
         if load is not None:
             self._evict_from(load.block_ids, min(load.first_tokens.get(h, 1 << 62) for h in outcome.failed))
-        tracked = self._requests.get(req_id)
         if tracked is not None:
             tracked.failures_seen += 1
             chunks = [tracked.hashes.index(h) for h in outcome.failed if h in tracked.hashes]

@@ -1,0 +1,98 @@
+"""Two lifecycle edges of loads in flight, step by step in vLLM's real Scheduler (issue #32).
+
+Both would serve KV that was never written: the harness's context check
+raises :class:`~tests.support.scheduler_harness.Violation` when a request
+computes over it.
+
+- A prompt that diverges *inside* a chunk another request is loading has its
+  own hash for that chunk, yet vLLM's block-granular prefix cache gives it the
+  loading request's blocks as a local hit (a sync load's blocks are registered
+  at allocation). It must wait for that load's outcome like a request that
+  shares the chunk's hash.
+- A request id reused while the aborted request's failed-load report is still
+  on its way: the late report must settle the load it is about (evict its
+  blocks, mark its chunks failed), not the new request's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.connector.test_scheduler_lifecycle import damage_when_loaded, stored
+from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of, lookup_modes, prompt
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+BLOCK, CHUNK = 16, 128
+SCHEDULING = pytest.mark.parametrize("pipelined", [False, True], ids=["sched", "async-sched"])
+
+
+@pytest.fixture(autouse=True, params=["sync", "async"], ids=["lookup-sync", "lookup-async"])
+def lookup(request, monkeypatch) -> str:
+    """Every scenario with lookups inline and on the lookup thread (the harness's engines default to it)."""
+    return lookup_modes(request, monkeypatch)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> str:
+    return f"file://{tmp_path / 'store'}"
+
+
+def make(tmp_path: Path, store: str, pipelined: bool = False, **kw: Any) -> Engine:
+    kw = {"block_size": BLOCK, "chunk_size": CHUNK, "max_batched": 1024, **kw}
+    return Engine(tmp_path, store, async_scheduling=pipelined, **kw)
+
+
+# ---- a request id reused while a failed load's report is late ----------------------------------
+@SCHEDULING
+def test_a_late_report_of_an_aborted_request_settles_its_own_load_not_its_ids_successor(
+        tmp_path, store, pipelined) -> None:
+    """r's load fails at chunk 1; its report is late (withheld). r is aborted and a new request "r" (another
+    prompt) starts its own load; the late report arrives while that load is in flight. It must evict the first
+    r's blocks from chunk 1 on (vLLM's recompute policy leaves them in its prefix cache), and leave the new r's
+    load in flight until its own report."""
+    p, q = prompt(300), prompt(300, 5)
+    for tokens in (p, q):
+        stored(tmp_path, store, tokens, block_size=BLOCK, chunk_size=CHUNK)
+    damage = damage_when_loaded(store, p, chunk=1)
+    seen: dict[str, Any] = {}
+
+    def hook(engine: Engine, out: Any) -> None:
+        damage["hook"](engine, out)
+        if any(spec.req_id == "r" for spec in out.kv_connector_metadata.loads) and damage["done"] and "late" not in seen:
+            if engine.requests["r"].prompt_token_ids == q[:290]:  # the new r's load is planned: now the late report
+                ledger = engine.connector.scheduler.ledger
+                engine.deliver_withheld()
+                seen["late"] = True
+                seen["new_load_inflight"] = bool(ledger.inflight_requests())
+
+    e = make(tmp_path, store, pipelined, hooks={"before_forward": hook})
+    e.withhold_load_reports = True
+    e.add("r", p[:290], max_tokens=2)
+    e.admit()  # the load of chunks 0 and 1 fails at chunk 1; its outcome is withheld
+    assert damage["done"] and e.steps[-1].invalid_blocks
+    failed = set(e.steps[-1].loads[0].chunks[1].block_ids)
+    e.deliver()  # (async scheduling) vLLM sees that step's output, without the connector's report
+    e.abort("r")
+    e.withhold_load_reports = False
+    e.add("r", q[:290], max_tokens=2)  # the same id, another prompt: its own load
+    e.run()
+    assert seen.get("late"), "the new r's load was never planned"
+    e.add("third", p[:290], max_tokens=2)  # r's prompt: the failed blocks would be its local hit
+    e.run()  # its context check catches KV that was never written
+    assert first_computed(e, "third") == 128  # chunk 0 is a local hit; chunk 1 failed, so it is computed
+    assert not failed & e.cached_block_ids(), "blocks whose load failed are still in the prefix cache"
+    assert seen["new_load_inflight"], "the late report settled the new r's load"
+    first, second = loads_of(e, ["r"])
+    assert sum(c.tokens for c in second.chunks) == 256  # the new r's chunks 0 and 1
+    assert e.scheduler_stats()["failed_load_chunks"] == 1
+    assert not [s for step in e.steps for s in step.saves if s.req_id == "r"], \
+        "the new r saves chunks it loaded: the late report reset its hit"
+    e.assert_empty()
+
+
+def first_computed(e: Engine, req_id: str) -> int:
+    return next(s.computed_before[req_id] for s in e.steps if req_id in s.computed_before)
