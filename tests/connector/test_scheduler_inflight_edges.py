@@ -46,6 +46,66 @@ def make(tmp_path: Path, store: str, pipelined: bool = False, **kw: Any) -> Engi
     return Engine(tmp_path, store, async_scheduling=pipelined, **kw)
 
 
+# ---- a local hit reaching into another request's load ------------------------------------------
+def diverging_inside_a_loading_chunk(tmp_path: Path, store: str, pipelined: bool, w_arrives: str) -> Engine:
+    """r loads chunks 0 and 1, and chunk 0 fails; w shares chunk 0's first 96 tokens (6 blocks), then differs.
+
+    ``w_arrives``: "with-r" (both admitted in one step: w's local hit is r's
+    blocks allocated a moment before), or "next-step" (the issue's timing
+    under async scheduling: w is scheduled before r's failed step is
+    delivered). Under async scheduling vLLM does not rewind w far enough when
+    the failure is delivered, and w reads KV computed over the unwritten
+    blocks; under sync scheduling vLLM rewinds w itself (the failure is
+    delivered before w's next step), and what this checks there is that w
+    waits, as it does for a chunk whose key it shares.
+    """
+    p = prompt(300)
+    stored(tmp_path, store, p, block_size=BLOCK, chunk_size=CHUNK)
+    hook = damage_when_loaded(store, p, chunk=0, how="delete")  # nothing of it is written (a corrupt one may be, in part)
+    e = make(tmp_path, store, pipelined, hooks={"before_forward": hook["hook"]})
+    w = p[:96] + prompt(200, 1)
+    e.add("r", p[:290], max_tokens=2)
+    if w_arrives == "next-step":
+        e.step()  # lookup sync: r is admitted and loads; async: r is asked (and loads in the step that asks w)
+    e.add("w", w, max_tokens=4)
+    e.run()  # w's context check catches KV it computed over blocks that were never written
+    assert hook["done"] and any(step.invalid_blocks for step in e.steps), "r's load did not fail"
+    assert e.scheduler_stats()["lookups_waiting_for_inflight_load"] >= 1, "w did not wait for r's load"
+    e.assert_empty()
+    return e
+
+
+@SCHEDULING
+def test_a_prompt_diverging_inside_a_chunk_in_flight_waits_for_its_outcome(tmp_path, store, pipelined) -> None:
+    diverging_inside_a_loading_chunk(tmp_path, store, pipelined, "with-r")
+
+
+def test_issue_timing_async_scheduling_w_scheduled_before_the_failure_is_delivered(tmp_path, store) -> None:
+    diverging_inside_a_loading_chunk(tmp_path, store, True, "next-step")
+
+
+def test_a_successful_load_is_a_local_hit_once_it_landed(tmp_path, store) -> None:
+    """The wait costs w a step, not its hit: once r's load landed, w takes r's blocks of chunk 0 locally."""
+    p = prompt(300)
+    stored(tmp_path, store, p, block_size=BLOCK, chunk_size=CHUNK)
+    e = make(tmp_path, store)
+    e.add("r", p[:290], max_tokens=2)
+    e.add("w", p[:96] + prompt(200, 1), max_tokens=2)
+    e.run()
+    assert loaded_tokens(e, "r") == 256 and not loads_of(e, ["w"])
+    assert first_computed(e, "w") == 96
+    e.assert_empty()
+
+
+def test_the_harness_catches_a_local_hit_on_blocks_in_flight(tmp_path, store, monkeypatch) -> None:
+    """Without the check over local-hit blocks, w computes over r's never-written blocks (async scheduling)."""
+    from vllm_kvcodec.connector.load_ledger import LoadLedger
+
+    monkeypatch.setattr(LoadLedger, "writes_any", lambda self, block_ids: False)
+    with pytest.raises(Violation, match="w read wrong KV"):
+        diverging_inside_a_loading_chunk(tmp_path, store, True, "with-r")
+
+
 # ---- a request id reused while a failed load's report is late ----------------------------------
 @SCHEDULING
 def test_a_late_report_of_an_aborted_request_settles_its_own_load_not_its_ids_successor(

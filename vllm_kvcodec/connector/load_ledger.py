@@ -27,6 +27,13 @@ unique over time: vLLM randomizes them by default, but a user may fix them
 load failed can be followed by a new request of the same id before that
 failure is reported. The late report must settle the load it is about (and
 evict *its* blocks), not the load of the request that now bears the id.
+
+A load in flight is known two ways: by the chunk keys it writes (what the
+asking request's own chain is compared with), and by the blocks it writes
+per KV cache group (what the asking request's *local hit* is compared with:
+vLLM's prefix cache is block-granular, so a prompt that diverges inside a
+chunk has another key for it, yet may be handed the loading request's blocks
+of that chunk up to where it diverges).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ class InflightLoad:
     chunk_hashes: list[str]
     first_tokens: dict[str, int]  # chunk hash -> first token of the request this load writes
     block_ids: list[list[int]]  # the request's block tables (one per KV cache group) when the load was planned
+    writes: list[set[int]]  # per KV cache group, the blocks the load writes
     expires: float
 
 
@@ -57,17 +65,24 @@ class LoadLedger:
         self._ids = itertools.count(1)  # 0 is no load
         self._inflight: dict[int, InflightLoad] = {}  # load id -> the load
         self._busy: dict[str, int] = {}  # chunk hash -> loads in flight that carry it
+        self._writing: list[dict[int, int]] = []  # per KV cache group: block id -> loads in flight that write it
         self._failed: dict[str, float] = {}  # chunk hash -> when its failure was reported
 
     # ---- in flight ------------------------------------------------------------------
-    def start(self, req_id: str, chunk_hashes: list[str], first_tokens: dict[str, int], block_ids: list[list[int]]) -> int:
+    def start(self, req_id: str, chunk_hashes: list[str], first_tokens: dict[str, int], block_ids: list[list[int]],
+              writes: Sequence[Iterable[int]] = ()) -> int:
         """A load was planned: its id, which its plan and its outcome carry."""
         load_id = next(self._ids)
         load = InflightLoad(req_id, list(chunk_hashes), first_tokens, [list(t) for t in block_ids],
-                            time.monotonic() + self.inflight_ttl_s)
+                            [set(g) for g in writes], time.monotonic() + self.inflight_ttl_s)
         self._inflight[load_id] = load
         for h in load.chunk_hashes:
             self._busy[h] = self._busy.get(h, 0) + 1
+        while len(self._writing) < len(load.writes):
+            self._writing.append({})
+        for writing, blocks in zip(self._writing, load.writes):
+            for b in blocks:
+                writing[b] = writing.get(b, 0) + 1
         return load_id
 
     def settle(self, load_id: int) -> InflightLoad | None:
@@ -75,12 +90,24 @@ class LoadLedger:
         load = self._inflight.pop(load_id, None)
         if load is not None:
             _release(self._busy, load.chunk_hashes)
+            for writing, blocks in zip(self._writing, load.writes):
+                _release(writing, blocks)
         return load
 
     def busy(self, chunk_hashes: Iterable[str]) -> bool:
         """Whether any of these chunks is being loaded by some request right now."""
         self._expire_inflight()
         return any(h in self._busy for h in chunk_hashes)
+
+    def writing_any(self) -> bool:
+        """Whether some load in flight writes blocks (then a local hit may include some of them)."""
+        self._expire_inflight()
+        return any(self._writing)
+
+    def writes_any(self, block_ids: Sequence[Iterable[int]]) -> bool:
+        """Whether a load in flight writes any of these blocks (one iterable per KV cache group)."""
+        self._expire_inflight()
+        return any(b in writing for writing, blocks in zip(self._writing, block_ids) for b in blocks)
 
     def inflight_requests(self) -> list[str]:
         return [load.req_id for load in self._inflight.values()]
@@ -112,7 +139,7 @@ class LoadLedger:
         return len(chunk_hashes)
 
     def is_idle(self) -> bool:
-        return not self._inflight and not self._busy
+        return not self._inflight and not self._busy and not any(self._writing)
 
 
 def _release(counts: dict, keys: Iterable) -> None:

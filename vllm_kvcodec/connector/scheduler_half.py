@@ -194,7 +194,34 @@ class SchedulerHalf:
         busy = tracked.hashes[: min(reads, len(loadable))]
         if self.config.prompt_tails and tracked.identity is not None:
             busy += [tail_position(self.namespace, loadable[:k], tracked.identity) for k in range(min(reads, len(loadable) + 1))]
-        return self.ledger.busy(busy)
+        return self.ledger.busy(busy) or self._local_hit_inflight(tracked.request, tracked.local_tokens)
+
+    def _local_hit_inflight(self, request: "Request", local_tokens: int) -> bool:
+        """Whether a load in flight writes any block vLLM is about to give ``request`` as its local hit.
+
+        The chunk keys above miss a prompt that diverges inside a chunk being
+        loaded: its key for the chunk differs, yet vLLM's prefix cache, block
+        by block, hands it the loading request's blocks up to where it
+        diverges (a sync load's blocks are registered at allocation). Under
+        async scheduling it would compute over them before the load's failure
+        is reported, and vLLM would not rewind it.
+
+        The blocks are what vLLM's scheduler got from ``get_computed_blocks``
+        just before asking, nothing having changed since: the same call of its
+        KV cache coordinator's ``find_longest_cache_hit``, with the same
+        arguments (exact, and free of ``get_computed_blocks``' side effects,
+        such as its KV events), cut to the local hit it offered us. Its cost is
+        vLLM's own lookup of the local hit again, paid only while some load
+        writes blocks. Under sync scheduling vLLM would rewind such a request
+        itself; waiting there too costs it a step and spares it computing over
+        a load that fails.
+        """
+        manager = self.kv_cache_manager
+        if not local_tokens or manager is None or not self.ledger.writing_any():
+            return False
+        hit = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)[0]
+        return self.ledger.writes_any([[b.block_id for b in blocks[: local_tokens // bs]]
+                                       for blocks, bs in zip(hit, self.block_sizes)])
 
     def _track(self, request: "Request") -> _Tracked:
         tracked = self._requests.get(request.request_id)
@@ -272,7 +299,8 @@ class SchedulerHalf:
         busy = [c.chunk_hash for c in chunks]
         if chunks and chunks[-1].object_tokens is not None:  # a tail: also busy under its position (see _reads_inflight)
             busy.append(tail_position(self.namespace, tracked.hashes[: tracked.tail.index], tracked.identity))
-        load_id = self.ledger.start(request.request_id, busy, first_tokens, tracked.block_ids)
+        writes = [{s // bs for c in chunks for s in c.spans[g].slots} for g, bs in enumerate(self.block_sizes)]
+        load_id = self.ledger.start(request.request_id, busy, first_tokens, tracked.block_ids, writes)
         tracked.loads.add(load_id)
         self._pending_loads.append(LoadSpec(request.request_id, chunks, is_async=self.config.load_mode == "async",
                                             load_id=load_id))
