@@ -117,17 +117,17 @@ def test_a_late_report_of_an_aborted_request_settles_its_own_load_not_its_ids_su
     p, q = prompt(300), prompt(300, 5)
     for tokens in (p, q):
         stored(tmp_path, store, tokens, block_size=BLOCK, chunk_size=CHUNK)
-    damage = damage_when_loaded(store, p, chunk=1)
+    damage = damage_when_loaded(store, p, chunk=1, how="delete")
     seen: dict[str, Any] = {}
 
     def hook(engine: Engine, out: Any) -> None:
         damage["hook"](engine, out)
-        if any(spec.req_id == "r" for spec in out.kv_connector_metadata.loads) and damage["done"] and "late" not in seen:
+        if any(spec.req_id == "r" for spec in out.kv_connector_metadata.loads) and damage["done"] and not seen:
             if engine.requests["r"].prompt_token_ids == q[:290]:  # the new r's load is planned: now the late report
                 ledger = engine.connector.scheduler.ledger
+                seen["inflight_before"] = ledger.inflight_requests()
                 engine.deliver_withheld()
-                seen["late"] = True
-                seen["new_load_inflight"] = bool(ledger.inflight_requests())
+                seen["inflight_after"] = ledger.inflight_requests()
 
     e = make(tmp_path, store, pipelined, hooks={"before_forward": hook})
     e.withhold_load_reports = True
@@ -140,12 +140,13 @@ def test_a_late_report_of_an_aborted_request_settles_its_own_load_not_its_ids_su
     e.withhold_load_reports = False
     e.add("r", q[:290], max_tokens=2)  # the same id, another prompt: its own load
     e.run()
-    assert seen.get("late"), "the new r's load was never planned"
+    assert "inflight_after" in seen, "the new r's load was never planned"
     e.add("third", p[:290], max_tokens=2)  # r's prompt: the failed blocks would be its local hit
     e.run()  # its context check catches KV that was never written
     assert first_computed(e, "third") == 128  # chunk 0 is a local hit; chunk 1 failed, so it is computed
     assert not failed & e.cached_block_ids(), "blocks whose load failed are still in the prefix cache"
-    assert seen["new_load_inflight"], "the late report settled the new r's load"
+    assert seen["inflight_before"] == ["r", "r"], "the new r's load dropped the first r's from the ledger"
+    assert seen["inflight_after"] == ["r"], "the late report settled the new r's load"
     first, second = loads_of(e, ["r"])
     assert sum(c.tokens for c in second.chunks) == 256  # the new r's chunks 0 and 1
     assert e.scheduler_stats()["failed_load_chunks"] == 1
