@@ -27,6 +27,9 @@ from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, lo
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 BLOCK, CHUNK = 16, 128
+#: What a 290-token prompt of a stored 300-token one loads: whole chunks (256), or with block-granular hits every
+#: block but the last token's (288).
+LOADABLE = (256, 288)
 SCHEDULING = pytest.mark.parametrize("pipelined", [False, True], ids=["sched", "async-sched"])
 
 
@@ -92,7 +95,7 @@ def test_a_successful_load_is_a_local_hit_once_it_landed(tmp_path, store) -> Non
     e.add("r", p[:290], max_tokens=2)
     e.add("w", p[:96] + prompt(200, 1), max_tokens=2)
     e.run()
-    assert loaded_tokens(e, "r") == 256 and not loads_of(e, ["w"])
+    assert loaded_tokens(e, "r") in LOADABLE and not loads_of(e, ["w"])
     assert first_computed(e, "w") == 96
     e.assert_empty()
 
@@ -148,7 +151,7 @@ def test_a_late_report_of_an_aborted_request_settles_its_own_load_not_its_ids_su
     assert seen["inflight_before"] == ["r", "r"], "the new r's load dropped the first r's from the ledger"
     assert seen["inflight_after"] == ["r"], "the late report settled the new r's load"
     first, second = loads_of(e, ["r"])
-    assert sum(c.tokens for c in second.chunks) == 256  # the new r's chunks 0 and 1
+    assert sum(c.tokens for c in second.chunks) in LOADABLE  # the new r's own load
     assert e.scheduler_stats()["failed_load_chunks"] == 1
     assert not [s for step in e.steps for s in step.saves if s.req_id == "r"], \
         "the new r saves chunks it loaded: the late report reset its hit"
