@@ -11,15 +11,20 @@ import dataclasses
 
 @dataclasses.dataclass
 class LoadOutcome:
-    """How one request's load ended: chunk hashes in place, and chunk hashes that failed (any layer group, any rank)."""
+    """How one request's load ended: chunk hashes in place, and chunk hashes that failed (any layer group, any rank).
+
+    ``load_id`` echoes the plan's (:class:`~vllm_kvcodec.connector.metadata.LoadSpec`): a request id may come
+    back for a new request before an aborted one's outcome arrives, and the outcome must settle its own load.
+    """
 
     loaded: list[str] = dataclasses.field(default_factory=list)
     failed: list[str] = dataclasses.field(default_factory=list)
+    load_id: int = 0  # 0: not told
 
     def merge(self, other: "LoadOutcome") -> "LoadOutcome":
         failed = list(dict.fromkeys(self.failed + other.failed))
         loaded = [h for h in dict.fromkeys(self.loaded + other.loaded) if h not in failed]
-        return LoadOutcome(loaded, failed)
+        return LoadOutcome(loaded, failed, self.load_id or other.load_id)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -256,6 +256,10 @@ class Engine:
         self._pending: tuple[Any, Any] | None = None  # pipelined: the step whose output is not delivered yet
         self.name = f"engine{next(self._ids)}"
         self._arrived: set[str] = set()  # added since the last admit()
+        #: While True, the load outcomes of the steps executed reach the scheduler only at :meth:`deliver_withheld`
+        #: (vLLM still gets the step's invalid blocks): a late report, e.g. of a request aborted meanwhile.
+        self.withhold_load_reports = False
+        self._withheld: list[Any] = []
 
     def _kv_cache_config(self) -> Any:
         """vLLM's grouping: one group for one attention kind, one group per layer for mixed kinds (Gemma-3's)."""
@@ -391,6 +395,7 @@ class Engine:
         results = w.get_transfer_results(out.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
         report = w.build_connector_worker_meta()
+        delivered = self._withhold(report)
         stats = w.get_kv_connector_stats()
         w.clear_connector_metadata()
         undelivered = self._pending[1].kv_connector_output.invalid_block_ids if self._pending else set()
@@ -398,7 +403,7 @@ class Engine:
         kv_out = KVConnectorOutput(
             finished_sending=results.finished_sending or None, finished_recving=results.finished_recving or None,
             failed_recving=results.failed_recving, invalid_block_ids=invalid,
-            kv_connector_stats=stats, kv_connector_worker_meta=report,
+            kv_connector_stats=stats, kv_connector_worker_meta=delivered,
         )
         record = StepRecord(len(self.steps), dict(out.num_scheduled_tokens), computed, list(meta.loads),
                             list(meta.saves), set(invalid), set(results.finished_recving or ()), report, meta.idle)
@@ -406,6 +411,23 @@ class Engine:
         if not out.num_scheduled_tokens:
             time.sleep(IDLE_STEP_S)  # a real step takes time: let background loads run, as they would
         return out, self._runner_output(out, computed, kv_out), record
+
+    def _withhold(self, report: Any) -> Any:
+        """The report vLLM gets now: without its load outcomes while ``withhold_load_reports`` (kept for later)."""
+        if not self.withhold_load_reports or report is None or not report.loads:
+            return report
+        self._withheld.append(dataclasses.replace(report, saves=[], save_room=None))
+        return dataclasses.replace(report, loads={})
+
+    def deliver_withheld(self) -> None:
+        """Hand the connector the withheld load outcomes, each report as vLLM hands over a worker's
+        (``update_connector_output`` of the scheduler's connector); may run inside a hook, between schedule and
+        execution."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        withheld, self._withheld = self._withheld, []
+        for report in withheld:
+            self.connector.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))
 
     def deliver(self) -> None:
         """Pipelined: hand the scheduler the output it has not seen yet (vLLM does so before the next schedule)."""

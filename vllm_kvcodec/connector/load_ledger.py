@@ -19,11 +19,27 @@ Two facts outlive the request that learnt them:
 
 Entries in flight also expire, so a lost report can delay requests but never
 stall them.
+
+Each load has its own id (:meth:`LoadLedger.start` returns it; the plan
+carries it and the worker's outcome echoes it), because request ids are not
+unique over time: vLLM randomizes them by default, but a user may fix them
+(``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``), and a request aborted while its
+load failed can be followed by a new request of the same id before that
+failure is reported. The late report must settle the load it is about (and
+evict *its* blocks), not the load of the request that now bears the id.
+
+A load in flight is known two ways: by the chunk keys it writes (what the
+asking request's own chain is compared with), and by the blocks it writes
+per KV cache group (what the asking request's *local hit* is compared with:
+vLLM's prefix cache is block-granular, so a prompt that diverges inside a
+chunk has another key for it, yet may be handed the loading request's blocks
+of that chunk up to where it diverges).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterable, Sequence
 
@@ -33,39 +49,49 @@ FAILED_TTL_S = 60.0
 
 @dataclasses.dataclass
 class InflightLoad:
-    """One request's planned load, kept until the worker reports it (even if the request ends first)."""
+    """One planned load, kept until the worker reports it (even if its request ends first)."""
 
+    req_id: str
     chunk_hashes: list[str]
     first_tokens: dict[str, int]  # chunk hash -> first token of the request this load writes
     block_ids: list[list[int]]  # the request's block tables (one per KV cache group) when the load was planned
+    writes: list[set[int]]  # per KV cache group, the blocks the load writes
     expires: float
 
 
 class LoadLedger:
     def __init__(self, inflight_ttl_s: float, failed_ttl_s: float = FAILED_TTL_S) -> None:
         self.inflight_ttl_s, self.failed_ttl_s = inflight_ttl_s, failed_ttl_s
-        self._inflight: dict[str, InflightLoad] = {}  # req_id -> its load
+        self._ids = itertools.count(1)  # 0 is no load
+        self._inflight: dict[int, InflightLoad] = {}  # load id -> the load
         self._busy: dict[str, int] = {}  # chunk hash -> loads in flight that carry it
+        self._writing: list[dict[int, int]] = []  # per KV cache group: block id -> loads in flight that write it
         self._failed: dict[str, float] = {}  # chunk hash -> when its failure was reported
 
     # ---- in flight ------------------------------------------------------------------
-    def start(self, req_id: str, chunk_hashes: list[str], first_tokens: dict[str, int], block_ids: list[list[int]]) -> None:
-        self.settle(req_id)  # a request has at most one load in flight
-        self._inflight[req_id] = InflightLoad(chunk_hashes, first_tokens, [list(t) for t in block_ids],
-                                              time.monotonic() + self.inflight_ttl_s)
-        for h in chunk_hashes:
+    def start(self, req_id: str, chunk_hashes: list[str], first_tokens: dict[str, int], block_ids: list[list[int]],
+              writes: Sequence[Iterable[int]] = ()) -> int:
+        """A load was planned: its id, which its plan and its outcome carry."""
+        load_id = next(self._ids)
+        load = InflightLoad(req_id, list(chunk_hashes), first_tokens, [list(t) for t in block_ids],
+                            [set(g) for g in writes], time.monotonic() + self.inflight_ttl_s)
+        self._inflight[load_id] = load
+        for h in load.chunk_hashes:
             self._busy[h] = self._busy.get(h, 0) + 1
+        while len(self._writing) < len(load.writes):
+            self._writing.append({})
+        for writing, blocks in zip(self._writing, load.writes):
+            for b in blocks:
+                writing[b] = writing.get(b, 0) + 1
+        return load_id
 
-    def settle(self, req_id: str) -> InflightLoad | None:
-        """The load of ``req_id`` has an outcome (or will never have one): forget it, return what it was."""
-        load = self._inflight.pop(req_id, None)
+    def settle(self, load_id: int) -> InflightLoad | None:
+        """Load ``load_id`` has an outcome (or will never have one): forget it, return what it was."""
+        load = self._inflight.pop(load_id, None)
         if load is not None:
-            for h in load.chunk_hashes:
-                left = self._busy.get(h, 0) - 1
-                if left > 0:
-                    self._busy[h] = left
-                else:
-                    self._busy.pop(h, None)
+            _release(self._busy, load.chunk_hashes)
+            for writing, blocks in zip(self._writing, load.writes):
+                _release(writing, blocks)
         return load
 
     def busy(self, chunk_hashes: Iterable[str]) -> bool:
@@ -73,13 +99,23 @@ class LoadLedger:
         self._expire_inflight()
         return any(h in self._busy for h in chunk_hashes)
 
+    def writing_any(self) -> bool:
+        """Whether some load in flight writes blocks (then a local hit may include some of them)."""
+        self._expire_inflight()
+        return any(self._writing)
+
+    def writes_any(self, block_ids: Sequence[Iterable[int]]) -> bool:
+        """Whether a load in flight writes any of these blocks (one iterable per KV cache group)."""
+        self._expire_inflight()
+        return any(b in writing for writing, blocks in zip(self._writing, block_ids) for b in blocks)
+
     def inflight_requests(self) -> list[str]:
-        return list(self._inflight)
+        return [load.req_id for load in self._inflight.values()]
 
     def _expire_inflight(self) -> None:
         now = time.monotonic()
-        for req_id in [r for r, load in self._inflight.items() if load.expires <= now]:
-            self.settle(req_id)
+        for load_id in [i for i, load in self._inflight.items() if load.expires <= now]:
+            self.settle(load_id)
 
     # ---- failed ---------------------------------------------------------------------
     def mark_failed(self, chunk_hashes: Iterable[str]) -> None:
@@ -103,4 +139,14 @@ class LoadLedger:
         return len(chunk_hashes)
 
     def is_idle(self) -> bool:
-        return not self._inflight and not self._busy
+        return not self._inflight and not self._busy and not any(self._writing)
+
+
+def _release(counts: dict, keys: Iterable) -> None:
+    """One load fewer holds each of ``keys``."""
+    for k in keys:
+        left = counts.get(k, 0) - 1
+        if left > 0:
+            counts[k] = left
+        else:
+            counts.pop(k, None)

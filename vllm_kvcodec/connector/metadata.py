@@ -59,9 +59,13 @@ class ChunkLoad:
 
 @dataclasses.dataclass
 class LoadSpec:
+    """One request's load. ``load_id``: the scheduler half's id of this load, which the worker echoes in its
+    :class:`LoadOutcome` (request ids can be reused, see :mod:`~.load_ledger`)."""
+
     req_id: str
     chunks: list[ChunkLoad]
     is_async: bool
+    load_id: int = 0
 
 
 @dataclasses.dataclass
@@ -120,6 +124,10 @@ class KVCodecMetadata(KVConnectorMetadata):
 @dataclasses.dataclass
 class KVCodecWorkerReport(KVConnectorWorkerMetadata):
     """Outcomes since the last report; a load counts as failed if it failed on any worker.
+
+    ``loads`` is keyed by request id: a worker reports each load once it ends (a sync load in its own step), and
+    vLLM admits a request id again only after the last request of that id is gone, so one report holds at most
+    one load per id. Which load of the requests that bore an id over time is each outcome's ``load_id``.
 
     ``save_room``: bytes the fullest worker's save queue could take when the
     report was built (None: no saver). A snapshot, not an event, so it is

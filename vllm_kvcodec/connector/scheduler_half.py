@@ -111,6 +111,7 @@ class _Tracked:
     awaiting_room: dict[int, int] = dataclasses.field(default_factory=dict)  # chunk (TAIL: tail) -> bytes it needs
     waiting_on: set[str] = dataclasses.field(default_factory=set)  # chunks it left to another request's save
     prefetching: bool = False  # the worker was asked to fetch its hit ahead (see prefetch.py)
+    loads: set[int] = dataclasses.field(default_factory=set)  # its loads not reported yet (ledger ids), not others'
 
 
 class SchedulerHalf:
@@ -207,7 +208,34 @@ class SchedulerHalf:
         busy = tracked.hashes[: min(reads, len(loadable))]
         if self.config.block_hits and tracked.identity is not None:
             busy += [tail_position(self.namespace, loadable[:k], tracked.identity) for k in range(min(reads, len(loadable) + 1))]
-        return self.ledger.busy(busy)
+        return self.ledger.busy(busy) or self._local_hit_inflight(tracked.request, tracked.local_tokens)
+
+    def _local_hit_inflight(self, request: "Request", local_tokens: int) -> bool:
+        """Whether a load in flight writes any block vLLM is about to give ``request`` as its local hit.
+
+        The chunk keys above miss a prompt that diverges inside a chunk being
+        loaded: its key for the chunk differs, yet vLLM's prefix cache, block
+        by block, hands it the loading request's blocks up to where it
+        diverges (a sync load's blocks are registered at allocation). Under
+        async scheduling it would compute over them before the load's failure
+        is reported, and vLLM would not rewind it.
+
+        The blocks are what vLLM's scheduler got from ``get_computed_blocks``
+        just before asking, nothing having changed since: the same call of its
+        KV cache coordinator's ``find_longest_cache_hit``, with the same
+        arguments (exact, and free of ``get_computed_blocks``' side effects,
+        such as its KV events), cut to the local hit it offered us. Its cost is
+        vLLM's own lookup of the local hit again, paid only while some load
+        writes blocks. Under sync scheduling vLLM would rewind such a request
+        itself; waiting there too costs it a step and spares it computing over
+        a load that fails.
+        """
+        manager = self.kv_cache_manager
+        if not local_tokens or manager is None or not self.ledger.writing_any():
+            return False
+        hit = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)[0]
+        return self.ledger.writes_any([[b.block_id for b in blocks[: local_tokens // bs]]
+                                       for blocks, bs in zip(hit, self.block_sizes)])
 
     def _track(self, request: "Request") -> _Tracked:
         tracked = self._requests.get(request.request_id)
@@ -300,13 +328,16 @@ class SchedulerHalf:
             return
         start = tracked.local_tokens
         chunks = self._chunk_loads(tracked, start, start + num_external_tokens)
-        self._pending_loads.append(LoadSpec(request.request_id, chunks, is_async=self.config.load_mode == "async"))
         first_tokens = {c.chunk_hash: max(start, (start // self.chunk + i) * self.chunk) for i, c in enumerate(chunks)}
         busy = [c.chunk_hash for c in chunks]
         if tracked.tail is not None and chunks and chunks[-1].chunk_hash == tracked.tail.chunk_hash:  # also busy under
             # its position (see _reads_inflight)
             busy.append(tail_position(self.namespace, tracked.hashes[: tracked.tail.index], tracked.identity))
-        self.ledger.start(request.request_id, busy, first_tokens, tracked.block_ids)
+        writes = [{s // bs for c in chunks for s in c.spans[g].slots} for g, bs in enumerate(self.block_sizes)]
+        load_id = self.ledger.start(request.request_id, busy, first_tokens, tracked.block_ids, writes)
+        tracked.loads.add(load_id)
+        self._pending_loads.append(LoadSpec(request.request_id, chunks, is_async=self.config.load_mode == "async",
+                                            load_id=load_id))
         self.events.loading(request, chunks, tracked.hashes, tracked.tail, self.chunk)
 
     def _chunk_loads(self, tracked: _Tracked, start: int, end: int) -> list[ChunkLoad]:
@@ -518,7 +549,14 @@ class SchedulerHalf:
             self._room_freed(report.save_room)
 
     def _load_settled(self, req_id: str, outcome: LoadOutcome) -> None:
-        load = self.ledger.settle(req_id)
+        """Settle the load the outcome names (``load_id``): the request now bearing ``req_id`` may be a new one,
+        whose own load stays in flight and whose hit this outcome says nothing about."""
+        load = self.ledger.settle(outcome.load_id)
+        tracked = self._requests.get(req_id)
+        if tracked is not None and outcome.load_id in tracked.loads:
+            tracked.loads.discard(outcome.load_id)
+        else:
+            tracked = None  # gone, or a new request under the id of the one whose load this was
         self.events.load_settled(req_id, outcome)
         if not outcome.failed:
             return
@@ -528,7 +566,6 @@ class SchedulerHalf:
         self.stats.add(failed_load_chunks=len(outcome.failed))
         if load is not None:
             self._evict_from(load.block_ids, min(load.first_tokens.get(h, 1 << 62) for h in outcome.failed))
-        tracked = self._requests.get(req_id)
         if tracked is not None:
             tracked.failures_seen += 1
             chunks = [tracked.hashes.index(h) for h in outcome.failed if h in tracked.hashes]

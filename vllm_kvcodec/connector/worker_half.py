@@ -91,6 +91,7 @@ class WorkerHalf:
         # Failed loads per request: its saves planned before the scheduler heard of the latest are dropped.
         self._load_failures: collections.Counter[str] = collections.Counter()
         self._load_outcomes: dict[str, LoadOutcome] = {}
+        self._load_ids: dict[str, int] = {}  # request -> the scheduler's id of its load running here (echoed)
         self._save_outcomes: list[SaveOutcome] = []
         self._outcome_lock = threading.Lock()  # save outcomes arrive from the saver's threads
         self.recent_loads: collections.deque = collections.deque(maxlen=64)  # for inspection and tests
@@ -228,6 +229,7 @@ class WorkerHalf:
         if self.prefetcher is not None and meta.loads:
             chunks = [c.chunk_hash for spec in meta.loads for c in spec.chunks]
             self.prefetcher.claim([self._addresses.key(h, g) for h in chunks for g in range(len(self.groups))])
+        self._load_ids.update((spec.req_id, spec.load_id) for spec in meta.loads)
         sync = [s for s in meta.loads if not s.is_async]
         if sync:
             self._sync_job = self.fetcher.submit(sync, timeout)
@@ -305,14 +307,14 @@ class WorkerHalf:
                 self._load_failures[req_id] += 1
                 if self.cache_groups.multi:
                     self._failed_recving.add(req_id)  # several groups: vLLM takes failures per request only
-            self._load_outcomes[req_id] = outcome
+            self._load_outcomes[req_id] = dataclasses.replace(outcome, load_id=self._load_ids.pop(req_id, 0))
 
     def _abandon(self, job: LoadJob) -> None:
         """The request ended while its load ran: stop writing; what was not loaded did not *fail*."""
         job.cancel()
         job.settle()
         for req_id, outcome in job.outcomes().items():
-            self._load_outcomes[req_id] = LoadOutcome(outcome.loaded, [])
+            self._load_outcomes[req_id] = LoadOutcome(outcome.loaded, [], self._load_ids.pop(req_id, 0))
         self.stats.add(loads_abandoned=1)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
