@@ -32,8 +32,9 @@ def test_the_dashboard_is_valid_json_whose_queries_name_only_exported_series() -
     assert dashboard["panels"] and all(p["targets"] for p in dashboard["panels"])
     named = {m for e in queries(dashboard) for m in METRIC.findall(e)}
     assert named and named <= exported_names(), named - exported_names()
-    for needed in ("hit_chunks_total", "lookup_chunks_total", "saved_raw_bytes_total", "load_failures_total"):
-        assert PREFIX + needed in named  # hit rate, bytes saved, load-failure rate
+    for needed in ("hit_chunks_total", "lookup_chunks_total", "saved_raw_bytes_total", "load_failures_total",
+                   "lookups_given_up_total", "prefetch_used_bytes_total", "prefetch_wasted_bytes_total"):
+        assert PREFIX + needed in named  # hit rate, bytes saved, load-failure rate, lookups given up, prefetch use
 
 
 def test_the_operations_page_describes_every_series_and_queries_only_exported_ones() -> None:

@@ -49,10 +49,20 @@ COUNTERS: tuple[CounterSpec, ...] = (
     _plain("hit_chunks", "Chunks of the looked-up prefixes found in the store.", "hit_chunks"),
     _plain("hit_tokens", "Tokens of the looked-up prefixes found in the store (hit chunks x chunk_size).",
            "hit_chunks", scale="chunk"),
-    _plain("hit_tail_tokens", "Tokens of stored prompt tails found right after the hit chunks (prompt_tails).",
-           "hit_tail_tokens"),
-    _plain("tail_saves", "Prompt tails planned for saving (prompt_tails; counted in saved_chunks once stored).",
-           "tail_saves_planned"),
+    _plain("hit_tail_tokens", "Tokens found right after the hit chunks, up to vLLM's block boundary, through block refs "
+           "(block_hits; not in hit_tokens).", "hit_tail_tokens"),
+    CounterSpec("tail_saves", "Tails (a last part shorter than a chunk, in whole blocks) planned for saving (block_hits; "
+                "counted in saved_chunks once stored), by the tail: prompt (once the prompt is computed) or finish "
+                "(when the request finishes, prompt and output).",
+                {"prompt": "tail_saves_planned", "finish": "finish_tail_saves_planned"}, label="tail"),
+    _plain("block_refs_read", "Block refs the lookups read from the store (block_hits: one per whole-block prefix asked "
+           "about after the hit chunks).", "refs_read"),
+    _plain("block_refs_invalid", "Block refs read that did not parse (another format or damaged; a shorter hit).",
+           "refs_invalid"),
+    _plain("saved_block_refs", "Block refs written after an object landed (block_hits; by TP rank 0 only).", "saved_refs"),
+    _plain("saved_block_ref_bytes", "Bytes of those block refs (the store space block_hits costs).", "saved_ref_bytes"),
+    _plain("block_ref_save_failures", "Objects whose block refs failed to save (a shorter hit later, not a failed save).",
+           "ref_save_failures"),
     _plain("loaded_tokens", "Tokens of KV loaded from the store into paged memory (summed over TP workers).",
            "loaded_tokens"),
     _plain("saved_tokens", "Tokens of KV saved to the store (summed over TP workers).", "saved_tokens"),
@@ -61,14 +71,22 @@ COUNTERS: tuple[CounterSpec, ...] = (
            "objects_read_in_place"),
     _plain("objects_decoded_into_pages", "Loaded objects decoded straight into their KV pages (compressed page objects "
            "landing whole in host memory).", "objects_decoded_into_pages"),
+    _plain("gpu_decoded_objects", "Loaded objects decoded on the GPU.", "gpu_decoded_objects"),
     _plain("saved_chunks", "Chunks saved to the store.", "saved_chunks"),
+    _plain("saved_objects", "Stored objects (chunk x layer group) saved, summed over TP workers.", "saved_objects"),
     _plain("saves_behind", "Chunks saved while a full round of saves waited behind them (with save_codec_when_behind).",
            "saves_behind"),
     _plain("upgraded_objects", "Objects stored with save_codec_when_behind that a load fetched and the idle saver re-encoded "
            "with the configured codec, over the same key (upgrade_fallback_chunks).", "upgraded_objects"),
     _plain("upgraded_bytes_saved", "Store bytes those upgrades freed (compressed size before minus after).",
            "upgraded_bytes_saved"),
+    CounterSpec("upgrades_skipped", "Upgrades not done, by reason: busy (the saver had work, or the store was down), "
+                "not_smaller (the configured codec did not shrink the object; it stays as stored).",
+                {"busy": "upgrades_skipped_busy", "not_smaller": "upgrades_not_smaller"}, label="reason"),
+    _plain("upgrade_failures", "Upgrades whose fetch, encode or put failed (the object stays as stored).",
+           "upgrade_failures"),
     _plain("encode_seconds", "Thread-seconds the save threads spent encoding chunks.", "encode_s"),
+    _plain("put_seconds", "Thread-seconds the save threads spent writing encoded chunks to the store.", "put_s"),
     _plain("saved_bytes", "Bytes written to the store (compressed).", "saved_bytes"),
     _plain("saved_raw_bytes", "Raw KV bytes of the chunks saved (before compression).", "saved_raw_bytes"),
     _plain("loaded_bytes", "Bytes read from the store (compressed).", "loaded_bytes"),
@@ -83,11 +101,34 @@ COUNTERS: tuple[CounterSpec, ...] = (
            "failed_load_chunks"),
     _plain("loads_abandoned", "Loads stopped because their request ended first.", "loads_abandoned"),
     _plain("lookup_failures", "Lookups the store could not answer (counted as misses).", "lookup_failures"),
+    _plain("lookups_store_down", "Of lookup_failures, those answered at no cost as misses because the store was known "
+           "down.", "lookups_store_down"),
+    CounterSpec("lookups_given_up", "Lookups the scheduler stopped waiting for and counted as misses, by reason: timeout "
+                "(no answer within lookup_timeout_s), queue_full (the lookup thread's queue was full).",
+                {"timeout": "lookup_timeouts", "queue_full": "lookups_queue_full"}, label="reason"),
+    _plain("lookup_batches", "Batches of lookups the lookup thread sent to the store (one per scheduler step with new "
+           "questions).", "lookup_batches"),
+    _plain("lookup_batch_requests", "Requests those batches asked about (divided by lookup_batches: the batch size).",
+           "lookup_batch_requests"),
+    _plain("lookups_shared", "Lookups that joined another request's question about the same prefix (asked once).",
+           "lookups_shared"),
+    _plain("lookup_retries", "Scheduler steps a request waited for its lookup's answer (asked again the next step).",
+           "lookup_retries"),
+    _plain("lookups_waiting_for_inflight_load", "Scheduler steps a request waited because a load of the same objects "
+           "was still in flight (asked again once it has an outcome).", "lookups_waiting_for_inflight_load"),
+    CounterSpec("requests_not_cached", "Requests the store neither served nor saved, by reason: uncacheable (prompt "
+                "embeddings; once per request), before_cache_identity (an fp8 cache's scales not yet known from the "
+                "workers; once per lookup).",
+                {"uncacheable": "uncacheable_requests", "before_cache_identity": "requests_before_cache_identity"},
+                label="reason"),
+    _plain("blocks_evicted_after_load_failure", "vLLM blocks evicted from its local prefix cache because they held KV "
+           "that failed to load, or KV computed over it.", "blocks_evicted_after_load_failure"),
     _plain("save_failures", "Saves whose encode or put failed.", "save_failures"),
-    CounterSpec("saves_dropped", "Chunk saves not done, by reason: queue_full, store_down, after_load_failure and "
-                "incomplete are lost (a later miss); deferred_store_down waits for the store, deduplicated is "
-                "being saved by another request.",
+    CounterSpec("saves_dropped", "Chunk saves not done, by reason: queue_full, store_down, after_load_failure, "
+                "incomplete and window_freed are lost (a later miss); deferred_store_down waits for the store, "
+                "deduplicated is being saved by another request.",
                 {"queue_full": "saves_dropped", "store_down": "saves_dropped_store_down",
+                 "window_freed": "saves_dropped_window_freed",
                  "deferred_store_down": "saves_deferred_store_down",
                  "after_load_failure": "saves_skipped_after_load_failure",
                  "incomplete": "saves_incomplete", "deduplicated": "saves_deduplicated"},
@@ -107,7 +148,38 @@ COUNTERS: tuple[CounterSpec, ...] = (
     CounterSpec("tier_far_writes", "Objects a cache+ store wrote to its far store in the background, by outcome "
                 "(failed: the near copy was dropped too).",
                 {"ok": "tier_far_writes", "failed": "tier_far_write_failures"}, label="outcome"),
+    _plain("tier_far_write_bytes", "Bytes a cache+ store wrote to its far store in the background.",
+           "tier_far_write_bytes"),
+    _plain("tier_far_queue_waits", "Saves that waited for room in a cache+ store's far-write queue (far_queue_bytes).",
+           "tier_far_queue_waits"),
+    CounterSpec("tier_near_fills", "Far reads a cache+ store copied into its near tier, by outcome (failed: too large for "
+                "near_bytes, or the write failed; read from the far store again next time).",
+                {"ok": "tier_near_fills", "failed": "tier_near_fill_failures"}, label="outcome"),
+    _plain("tier_near_write_failures", "Saves a cache+ store failed to write to its near tier (still written to the far "
+           "store).", "tier_near_write_failures"),
+    _plain("prefetched_bytes", "Bytes of stored objects fetched ahead of their load (prefetch_bytes), while the "
+           "request waited.", "prefetched_bytes"),
+    _plain("prefetch_used_bytes", "Of those, bytes a load took instead of asking the store.", "prefetch_used_bytes"),
+    _plain("prefetch_wasted_bytes", "Of those, bytes dropped untaken (the request ended, was preempted, or its load "
+           "did not take them).", "prefetch_wasted_bytes"),
+    _plain("prefetch_skipped_objects", "Objects not fetched ahead for want of room in prefetch_bytes (fetched at load "
+           "time).", "prefetch_skipped_objects"),
+    CounterSpec("kv_events_blocks", "Blocks named in the store's KV cache events, by event type: stored (a save landed "
+                "on every rank), removed (a load of them failed, so this instance stops offering them).",
+                {"stored": "kv_events_stored_blocks", "removed": "kv_events_removed_blocks"}, label="type"),
 )
+
+#: Stats keys counted but deliberately not exported, and why (a test holds every counted key to one or the other).
+NOT_EXPORTED: dict[str, str] = {
+    "load_failures": "load_failures_total summed over its kind label",
+    "fetch_s": "the sum of the fetch_seconds histogram",
+    "fetch_batches": "the count of the fetch_seconds histogram",
+    "decode_s": "the sum of the decode_seconds histogram",
+    "scatter_s": "the sum of the scatter_seconds histogram",
+    "upgraded_bytes_before": "upgraded_bytes_saved is before minus after",
+    "upgraded_bytes_after": "upgraded_bytes_saved is before minus after",
+    "tier_near_misses": "each is a far read (tier_reads with tier far)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,4 +250,4 @@ def _chunk_size(vllm_config: "VllmConfig") -> int:
     return ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config if transfer else None).chunk_size
 
 
-__all__ = ["COUNTERS", "HISTOGRAMS", "KVCodecPromMetrics", "exported_names"]
+__all__ = ["COUNTERS", "HISTOGRAMS", "NOT_EXPORTED", "KVCodecPromMetrics", "exported_names"]
