@@ -299,3 +299,40 @@ def test_each_kv_cache_group_gets_its_own_event(tmp_path, store, kv_events_on) -
             assert event.token_ids == p[32 * c : 32 * c + 32] and event.block_size == BLOCK
     e.assert_empty()
     e.shutdown()
+
+
+def test_a_late_failure_of_an_aborted_request_is_announced_even_when_its_id_came_back(tmp_path, store,
+                                                                                       kv_events_on) -> None:
+    """r's load fails at chunk 1, its report late; r is aborted and a new "r" (another prompt) loads its own chunks.
+    The late report must name the first r's failed blocks (load events are kept per load, not per request id)."""
+    from tests.connector.test_scheduler_lifecycle import damage_when_loaded as damage_on_load
+    from tests.connector.test_scheduler_lifecycle import stored
+
+    p, q = prompt(100), prompt(100, 5)
+    for tokens in (p, q):
+        stored(tmp_path, store, tokens, block_size=BLOCK, chunk_size=CHUNK)
+    damage = damage_on_load(store, p, chunk=1, how="delete")
+    late: dict[str, bool] = {}
+
+    def hook(engine: Engine, out: Any) -> None:
+        damage["hook"](engine, out)
+        new_r_loads = any(s.req_id == "r" for s in out.kv_connector_metadata.loads)
+        if new_r_loads and damage["done"] and not late and engine.requests["r"].prompt_token_ids == q:
+            engine.deliver_withheld()
+            late["delivered"] = True
+
+    e, rec = make(tmp_path, store, hooks={"before_forward": hook})
+    e.withhold_load_reports = True
+    e.add("r", p, max_tokens=2)
+    e.admit()
+    assert damage["done"]
+    e.abort("r")
+    e.withhold_load_reports = False
+    e.add("r", q, max_tokens=2)
+    e.run()
+    settle(e)
+    assert late, "the new r's load was never planned"
+    removed = [h for ev in rec.of("BlockRemoved") for h in ev.block_hashes]
+    assert vllm_chain(p)[2:4] == [h for h in removed if h in vllm_chain(p)[2:4]], removed  # chunk 1 of p
+    assert not set(removed) & set(vllm_chain(q)), "the new r's blocks were announced removed"
+    e.assert_empty()

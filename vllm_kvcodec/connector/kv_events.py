@@ -96,7 +96,7 @@ class StoreEvents:
         self.tp_size = tp_size
         self.stats = stats if stats is not None else ConnectorStats()
         self._saves: dict[str, _PendingSave] = {}  # chunk hash -> its save in flight
-        self._loads: dict[str, dict[str, list[_GroupBlocks]]] = {}  # req id -> chunk hash -> its blocks
+        self._loads: dict[int, dict[str, list[_GroupBlocks]]] = {}  # load id -> chunk hash -> its blocks
         self._events: list[KVCacheEvent] = []
 
     @classmethod
@@ -135,7 +135,7 @@ class StoreEvents:
         self.stats.add(kv_events_stored_blocks=sum(len(b.hashes) for b in pending.blocks))
 
     # ---- loads ----------------------------------------------------------------------
-    def loading(self, request: "Request", chunks: Iterable["ChunkLoad"], chunk_hashes: Sequence[str],
+    def loading(self, load_id: int, request: "Request", chunks: Iterable["ChunkLoad"], chunk_hashes: Sequence[str],
                 tail: "Tail | None", chunk_size: int) -> None:
         """A load was planned: remember each object's blocks, which a BlockRemoved names if the load fails.
 
@@ -152,11 +152,11 @@ class StoreEvents:
                 objects[c.chunk_hash] = self._blocks(request, tail.index * chunk_size, tail.tokens, with_tokens=False)
             elif (index := positions.get(c.chunk_hash)) is not None:
                 objects[c.chunk_hash] = self._blocks(request, index * chunk_size, chunk_size, with_tokens=False)
-        _bounded_put(self._loads, request.request_id, objects)
+        _bounded_put(self._loads, load_id, objects)  # by load: a request id may come back (load_ledger.py)
 
-    def load_settled(self, req_id: str, outcome: LoadOutcome) -> None:
+    def load_settled(self, outcome: LoadOutcome) -> None:
         """A load's outcome: BlockRemoved for each object that failed (this instance stops offering it)."""
-        objects = self._loads.pop(req_id, None) if self.enabled else None
+        objects = self._loads.pop(outcome.load_id, None) if self.enabled else None
         if objects is None:
             return
         for chunk_hash in outcome.failed:

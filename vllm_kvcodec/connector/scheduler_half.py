@@ -338,7 +338,7 @@ class SchedulerHalf:
         tracked.loads.add(load_id)
         self._pending_loads.append(LoadSpec(request.request_id, chunks, is_async=self.config.load_mode == "async",
                                             load_id=load_id))
-        self.events.loading(request, chunks, tracked.hashes, tracked.tail, self.chunk)
+        self.events.loading(load_id, request, chunks, tracked.hashes, tracked.tail, self.chunk)
 
     def _chunk_loads(self, tracked: _Tracked, start: int, end: int) -> list[ChunkLoad]:
         """Per chunk of ``[start, end)``, each group's allocated blocks there (a window group's window only)."""
@@ -557,7 +557,7 @@ class SchedulerHalf:
             tracked.loads.discard(outcome.load_id)
         else:
             tracked = None  # gone, or a new request under the id of the one whose load this was
-        self.events.load_settled(req_id, outcome)
+        self.events.load_settled(outcome)
         if not outcome.failed:
             return
         self.ledger.mark_failed(outcome.failed)
