@@ -72,3 +72,28 @@ def test_a_hit_ends_where_the_local_prefix_cache_ends_with_the_same_tokens(promp
             assert conn.stats().get("loaded_tokens", 0) - before == cached, name
             assert conn.flush(120)
         assert conn.stats().get("load_failures", 0) == 0
+
+
+def test_a_chats_next_turn_loads_every_block_the_last_turn_computed(prompts, tmp_path) -> None:
+    """Turn 1 ends inside a chunk; its finishing tail (prompt and answer past the last full chunk) is stored, so
+    turn 2 on an emptied cache loads what vLLM's own cache would hit, and gives the local-cache run's tokens."""
+    from vllm import SamplingParams
+
+    turn1 = prompts["stored"][:700]
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    with engine() as llm:  # vLLM's own cache: the reference
+        answer = list(llm.generate([{"prompt_token_ids": turn1}], params, use_tqdm=False)[0].outputs[0].token_ids)
+        turn2 = turn1 + answer + prompts["stored"][900:1000]
+        (res,) = llm.generate([{"prompt_token_ids": turn2}], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+        local_tokens, local_cached = list(res.outputs[0].token_ids), res.num_cached_tokens
+    assert local_cached == (len(turn1) + len(answer) - 1) // BLOCK * BLOCK  # 799 computed: 768 in whole blocks (the prompt's tail ends at 640)
+    url = f"file://{tmp_path / 'store'}"
+    with engine(connector_config(url, "rans", chunk_size=CHUNK)) as llm:
+        conn = worker_connector()
+        assert list(llm.generate([{"prompt_token_ids": turn1}], params, use_tqdm=False)[0].outputs[0].token_ids) == answer
+        assert conn.flush(120)
+        llm.reset_prefix_cache()
+        before = conn.stats().get("loaded_tokens", 0)
+        assert greedy(llm, turn2) == local_tokens
+        assert conn.stats().get("loaded_tokens", 0) - before == local_cached
+        assert conn.stats().get("load_failures", 0) == 0
