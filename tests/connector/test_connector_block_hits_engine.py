@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.engine import BLOCK, connector_config, engine, greedy, worker_connector
+from vllm_kvcodec.tools.offline_engine import take_finishing_step
 
 pytestmark = pytest.mark.engine
 
@@ -59,18 +60,19 @@ def test_a_hit_ends_where_the_local_prefix_cache_ends_with_the_same_tokens(promp
     with engine(connector_config(url, "rans", chunk_size=CHUNK)) as llm:
         conn = worker_connector()
         greedy(llm, prompts["stored"])
+        take_finishing_step(llm)  # the finishing tail (1411 computed: 384 past the chunks) is gathered in that step
         assert conn.flush(120)
         stats = conn.stats()
-        # 2 full chunks (3 refs each) and the 256-token tail after them (2 refs, one its own)
-        assert stats["saved_chunks"] == 3 and stats["saved_refs"] == 2 * 3 + 2, stats
+        # 2 full chunks (3 refs each), the 256-token prompt tail (2 refs, one its own), the finishing tail (3)
+        assert stats["saved_chunks"] == 4 and stats["saved_refs"] == 2 * 3 + 2 + 3, stats
         for name, n in SHARED.items():
             tokens, cached = local[name]
             assert cached == local_hit(n, len(prompts[name])), name  # vLLM's own cache, block-granular
-            llm.reset_prefix_cache()  # whatever is hit below comes from the store
+            take_finishing_step(llm)
+            assert llm.reset_prefix_cache()  # whatever is hit below comes from the store
             before = conn.stats().get("loaded_tokens", 0)
             assert greedy(llm, prompts[name]) == tokens, name
             assert conn.stats().get("loaded_tokens", 0) - before == cached, name
-            assert conn.flush(120)
         assert conn.stats().get("load_failures", 0) == 0
 
 
@@ -91,8 +93,9 @@ def test_a_chats_next_turn_loads_every_block_the_last_turn_computed(prompts, tmp
     with engine(connector_config(url, "rans", chunk_size=CHUNK)) as llm:
         conn = worker_connector()
         assert list(llm.generate([{"prompt_token_ids": turn1}], params, use_tqdm=False)[0].outputs[0].token_ids) == answer
-        assert conn.flush(120)
-        llm.reset_prefix_cache()
+        take_finishing_step(llm)  # the turn's finishing tail is gathered in the step after it finished
+        assert conn.flush(120) and conn.stats()["saved_chunks"] == 3  # chunk 0, the prompt's tail, the finishing tail
+        assert llm.reset_prefix_cache()
         before = conn.stats().get("loaded_tokens", 0)
         assert greedy(llm, turn2) == local_tokens
         assert conn.stats().get("loaded_tokens", 0) - before == local_cached

@@ -40,6 +40,7 @@ from typing import Any, Iterator
 
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.tools.bench.report import console
+from vllm_kvcodec.tools.offline_engine import take_finishing_step
 
 QUESTION_COLD = "\n\nQuestion: Which Python statement does the text above describe first? Answer:"
 QUESTION_WARM = "\n\nQuestion: Summarise the text above in one sentence. Answer:"
@@ -144,10 +145,12 @@ class Engine:
         return seconds, list(out[0].outputs[0].token_ids)
 
     def reset_prefix_cache(self) -> None:
+        take_finishing_step(self.llm)  # a finished request's blocks may be held for its finishing tail until then
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache")
 
     def flush(self) -> None:
+        take_finishing_step(self.llm)  # finished requests' finishing tails are gathered in that step
         for c in self.connectors:
             if not c.flush(300.0):
                 raise RuntimeError("background saves did not finish in 300 s")
