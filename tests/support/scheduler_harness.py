@@ -611,7 +611,7 @@ class Engine:
         assert pool.get_num_free_blocks() == self.num_blocks - 1, "blocks still held"
         state = self.connector.scheduler.state()
         assert state == {"requests": [], "pending_loads": 0, "inflight_loads": [], "awaiting_room": [], "waiters": [],
-                         "lookups": [], "prefetches": []}, state
+                         "lookups": [], "prefetches": [], "finishing": []}, state
         self.flush()
         worker = self.worker.worker
         assert not worker._async_jobs and worker._sync_job is None

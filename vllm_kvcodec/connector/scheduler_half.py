@@ -701,7 +701,7 @@ class SchedulerHalf:
         return {"requests": list(self._requests), "pending_loads": len(self._pending_loads),
                 "inflight_loads": self.ledger.inflight_requests(), "awaiting_room": list(self._awaiting_room),
                 "waiters": list(self._waiters), "lookups": self.lookups.waiting() if self.lookups else [],
-                "prefetches": list(self._to_prefetch)}
+                "prefetches": list(self._to_prefetch), "finishing": [s.req_id for s in self._finishing]}
 
     def shutdown(self) -> None:
         if self.lookups is not None:
