@@ -94,7 +94,11 @@ def test_faulty_store_stream_gives_fault_free_tokens(prompts, reference, tmp_pat
         conn = worker_connector()
         serve(llm, prompts, reference, STREAM, conn)
         faults = find_fault_injector(conn.worker.store).counts()
+        calls = find_fault_injector(conn.worker.store).calls_by_op()
         stats = conn.stats()
+    # Every read the faults could land on was a load's: one get_many per fetch batch that read (no probe, prefetch
+    # or lookup; the scheduler's reads go through its own wrapper).
+    assert calls.get("get", 0) == 0 and 0 < calls["get_many"] <= stats["fetch_batches"], (calls, stats)
     faulty_reads = faults["drop"] + faults["truncate"] + faults["corrupt"] + faults["swap"]
     assert faults["reads"] >= 25 and faulty_reads >= 5, faults
     # Every faulty read fails its object's load (objects refused after a timeout fail too).
