@@ -33,7 +33,11 @@ saved and the faults land on the load path, where they must be caught.
 :class:`~storage.errors.StoreUnavailableError` at once until :meth:`up`.
 
 :attr:`FaultInjector.injected` counts the faults by kind (and ``down`` for
-calls refused while down); :attr:`FaultInjector.reads` counts values read.
+calls refused while down); :attr:`FaultInjector.reads` counts values read;
+:meth:`FaultInjector.calls_by_op` counts the calls of each operation (``get``,
+``get_many``, ``exists_many``, ``put`` ...), refused ones included, so a test
+can tell which reads its faults could have landed on (a load's batch, a
+lookup's block refs, a probe).
 
 From a URL, prefix any store URL with ``faults+`` and add the options:
 ``faults+file:///tmp/kv?seed=1&drop=0.1&truncate=0.1&corrupt=0.1&delay=0.05&delay_s=2&swap=0.05``
@@ -83,6 +87,7 @@ class FaultInjector(Store):
         self.seed, self.rates, self.delay_s = seed, rates, delay_s
         self.injected: collections.Counter[str] = collections.Counter()
         self.reads = 0
+        self.calls: collections.Counter[str] = collections.Counter()
         self._down = down
         self._lock = threading.Lock()
         self._read_count: collections.Counter[str] = collections.Counter()
@@ -106,43 +111,50 @@ class FaultInjector(Store):
         with self._lock:
             return {**{k: self.injected[k] for k in (*FAULT_KINDS, "down")}, "reads": self.reads}
 
+    def calls_by_op(self) -> dict[str, int]:
+        """Calls so far per store operation (only those made), refused ones included."""
+        with self._lock:
+            return dict(self.calls)
+
     # -- the store protocol ---------------------------------------------------
 
     def _get(self, key: str) -> bytes | None:
-        value = self._call(lambda: self.inner.get(key))
+        value = self._call("get", lambda: self.inner.get(key))
         return self._fault(key, value)
 
     def _get_many(self, keys: list[str]) -> list[bytes | None]:
-        values = self._call(lambda: self.inner.get_many(keys))
+        values = self._call("get_many", lambda: self.inner.get_many(keys))
         return [self._fault(k, v) for k, v in zip(keys, values)]
 
     def _put(self, key: str, value: memoryview) -> None:
-        self._call(lambda: self.inner.put(key, value))
+        self._call("put", lambda: self.inner.put(key, value))
         self._remember(key)
 
     def _put_many(self, items: list[tuple[str, memoryview]]) -> None:
-        self._call(lambda: self.inner.put_many(items))
+        self._call("put_many", lambda: self.inner.put_many(items))
         for key, _ in items:
             self._remember(key)
 
     def _exists(self, key: str) -> bool:
-        return self._call(lambda: self.inner.exists(key))
+        return self._call("exists", lambda: self.inner.exists(key))
 
     def _exists_many(self, keys: list[str]) -> list[bool]:
-        return self._call(lambda: self.inner.exists_many(keys))
+        return self._call("exists_many", lambda: self.inner.exists_many(keys))
 
     def _delete(self, key: str) -> None:
-        self._call(lambda: self.inner.delete(key))
+        self._call("delete", lambda: self.inner.delete(key))
 
     def _keys(self, prefix: str) -> Iterator[str]:
-        return self._call(lambda: self.inner.keys(prefix))
+        return self._call("keys", lambda: self.inner.keys(prefix))
 
     def _close(self) -> None:
         self.inner.close()
 
     # -- the faults -------------------------------------------------------------
 
-    def _call(self, op: Callable[[], _T]) -> _T:
+    def _call(self, name: str, op: Callable[[], _T]) -> _T:
+        with self._lock:
+            self.calls[name] += 1
         if self._down:
             with self._lock:
                 self.injected["down"] += 1

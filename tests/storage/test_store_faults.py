@@ -106,6 +106,8 @@ def test_lookups_and_writes_pass_through_untouched() -> None:
     assert faulty.exists("kvc/ns/new/r0g000") and faulty.exists_many(["kvc/ns/new/r0g000", "nope"]) == [True, False]
     assert faulty.get("kvc/ns/new/r0g000") is None and faulty.get("missing") is None
     assert faulty.counts()["drop"] == 1  # a miss is not a fault
+    # Which operations ran, so a test can tell where its faults could land (reads only: get here, not exists).
+    assert faulty.calls_by_op() == {"put": 1, "exists": 1, "exists_many": 1, "get": 2}
 
 
 def test_down_refuses_every_operation_until_up() -> None:
@@ -121,6 +123,8 @@ def test_down_refuses_every_operation_until_up() -> None:
         with pytest.raises(StoreUnavailableError, match="down"):
             call()
     assert faulty.counts()["down"] == len(calls) and not inner.exists("a")
+    ops = ("get", "get_many", "put", "put_many", "exists", "exists_many", "delete", "keys")
+    assert faulty.calls_by_op() == dict.fromkeys(ops, 1)  # refused calls are calls too
     faulty.up()
     assert faulty.get("kvc/ns/0000/r0g000") == inner.get("kvc/ns/0000/r0g000")
 

@@ -255,9 +255,18 @@ class WorkerHalf:
         layer = self._layer_of.get(layer_name)
         if layer == 0 and self._waits_whole():
             self.stats.add(load_waits_whole=1)
-            job.wait_all(job.deadline)  # past the deadline, the layer wait below answers at once and cancels
+            # Not whole by its deadline: abandoned now, even with layer 0 in place. Left running, its late objects
+            # would decode beside the prefill (what waiting whole avoids) and be used or not by how fast the
+            # prefill reached their layers: on a loaded host a 1.5 s read under a 1 s timeout went uncounted.
+            if not job.wait_all(job.deadline):
+                self._time_out(job)
+                return
         if layer is None or job.wait_layer(layer, job.deadline):
             return
+        self._time_out(job)
+
+    def _time_out(self, job: LoadJob) -> None:
+        """Past its deadline: count it and cancel (what is not in place yet is recomputed)."""
         self.stats.add(load_timeouts=1)
         logger.warning("kvcodec: load did not finish within %.1f s; recomputing its blocks", self.config.load_timeout_s)
         job.cancel()
