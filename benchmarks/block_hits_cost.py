@@ -58,6 +58,7 @@ def run_row(name: str, extra: dict[str, Any] | None, prompts: list[list[int]], o
 
     from storage import open_store
     from vllm_kvcodec.connector.facade import live_connectors
+    from vllm_kvcodec.tools.offline_engine import take_finishing_step
     from vllm_kvcodec.tools.smollm2 import model_dir
     from vllm_kvcodec.tools.store_tools import inspect_store
 
@@ -78,15 +79,18 @@ def run_row(name: str, extra: dict[str, Any] | None, prompts: list[list[int]], o
                                "requests_per_s": round(len(prompts) / wall, 3), "cpu_s_per_request": round(cpu / len(prompts), 3)}
         if transfer is not None:
             conn = [c for c in live_connectors() if c.worker is not None][-1]
+            scheduler = [c for c in live_connectors() if c.scheduler is not None][-1]
+            take_finishing_step(llm)  # the last finished requests' finishing tails are gathered in that step
             conn.flush(600)
-            stats = conn.stats()
+            stats, planned = conn.stats(), scheduler.stats()
             with open_store(store) as s:
                 held = inspect_store(s)
             n = len(prompts)
             row.update({
                 "encode_s_per_request": round(stats.get("encode_s", 0.0) / n, 4),
                 "saved_objects_per_request": round(stats.get("saved_chunks", 0) / n, 2),
-                "tail_saves": stats.get("tail_saves_planned", 0), "finish_tail_saves": stats.get("finish_tail_saves_planned", 0),
+                "tail_saves": planned.get("tail_saves_planned", 0),
+                "finish_tail_saves": planned.get("finish_tail_saves_planned", 0),
                 "store_objects": held.objects, "store_bytes": held.stored_bytes, "store_raw_bytes": held.raw_bytes,
                 "store_refs": held.refs, "store_ref_bytes": held.ref_bytes,
                 "store_bytes_per_request": held.stored_bytes // n, "store_refs_per_request": round(held.refs / n, 2),

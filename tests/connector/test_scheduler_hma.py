@@ -181,3 +181,22 @@ def test_fp8_caches_store_and_load(tmp_path, store, cache_dtype, windows) -> Non
     bf16.run()
     assert loaded_tokens(bf16, "c") == 0, "a bf16 engine never finds fp8 chunks"
     bf16.assert_empty()
+
+
+@KINDS
+@SCHEDULING
+@pytest.mark.parametrize("shared", [144, 150, 40])
+def test_a_hit_ends_on_a_block_inside_a_stored_chunk_in_every_group(tmp_path, store, windows, pipelined, shared) -> None:
+    """block_hits with several groups: a prompt sharing a stored one up to a block inside a chunk (or inside a
+    block) is served its whole blocks through the chunk's block ref, each group's blocks (a window group's window
+    only), and reads no KV that was never written."""
+    p = prompt(300)
+    stored(tmp_path, store, p, windows)
+    other = p[:shared] + [t for t in prompt(200, 7) if t != p[shared]][:150]
+    e = make(tmp_path, store, windows, pipelined)
+    e.add("b", other, max_tokens=2)
+    e.run()
+    first = next(s.computed_before["b"] for s in e.steps if "b" in s.computed_before)
+    assert first == shared // 16 * 16  # what vLLM's own cache would hit: every whole shared block
+    assert e.stats().get("load_failures", 0) == 0
+    e.assert_empty()
