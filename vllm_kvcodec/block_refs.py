@@ -14,7 +14,7 @@ after its chain position (``tail_hash`` of the first ``j`` blocks: the key a
 prompt sharing exactly those blocks computes), naming the object and how
 many tokens it holds. A lookup reads the refs of its candidate prefixes
 (longest first) and loads the first ``j`` blocks of the object a ref names.
-Refs are tiny (about 60 bytes), written once, after the object landed, by
+Refs are tiny (about 45 bytes), written once, after the object landed, by
 one rank; any object whose first ``j`` blocks are those tokens is a right
 answer, so concurrent writers never conflict. A ref whose object is gone is
 a miss (the lookup checks the object), never a load of missing KV.
