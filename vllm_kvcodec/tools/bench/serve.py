@@ -208,12 +208,13 @@ def _counters(scrape: dict[tuple[str, frozenset], float]) -> dict[str, float]:
 def _stored(url: str) -> dict[str, Any]:
     """What the store holds: objects, their bytes, and the raw KV bytes their headers say they hold."""
     from storage import open_store
+    from vllm_kvcodec.block_refs import is_ref_key
     from vllm_kvcodec.format import read_header
 
     objects = stored = raw = 0
     with open_store(url, read_only=True) as store:
         for key in store.keys():
-            blob = store.get(key)
+            blob = None if is_ref_key(key) else store.get(key)  # block refs: an index, no chunk header
             if blob is None:
                 continue
             objects, stored, raw = objects + 1, stored + len(blob), raw + read_header(blob, verify=False).raw_nbytes
