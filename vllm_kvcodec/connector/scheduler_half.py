@@ -42,7 +42,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from storage import StoreError
 from storage.outage import StoreDownError
@@ -71,6 +72,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm_kvcodec")
+_T = TypeVar("_T")
 #: Saves of one chunk one request may plan (the first, and retries after it did not land).
 MAX_SAVE_ATTEMPTS = 3
 #: ``save_attempts`` key of the request's prompt tail (chunks count from 0).
@@ -287,29 +289,30 @@ class SchedulerHalf:
         if not hashes:
             return []
         keys = [chunk_object_keys(self.namespace, h, self.tp_size, self.groups) for h in hashes]
-        try:
-            found = self.store.exists_many([k for ks in keys for k in ks])
-        except StoreDownError:  # known outage, already logged once: a miss at no cost
-            self.stats.add(lookup_failures=1, lookups_store_down=1)
-            return None
-        except StoreError as exc:
-            self.stats.add(lookup_failures=1)
-            logger.warning("kvcodec: store lookup failed, computing the prefix instead: %s", exc)
+        found = self._ask_store(lambda: self.store.exists_many([k for ks in keys for k in ks]),
+                                "store lookup failed, computing the prefix instead")
+        if found is None:
             return None
         per = len(keys[0])
         return [all(found[c * per : (c + 1) * per]) for c in range(len(hashes))]
 
+    def _ask_store(self, call: Callable[[], _T], failure: str) -> _T | None:
+        """A lookup's store call; None (counted: a miss) when the store did not answer."""
+        try:
+            return call()
+        except StoreDownError:  # known outage, already logged once: a miss at no cost
+            self.stats.add(lookup_failures=1, lookups_store_down=1)
+        except StoreError as exc:
+            self.stats.add(lookup_failures=1)
+            logger.warning("kvcodec: %s: %s", failure, exc)
+        return None
+
     def _resolve(self, prefixes: list[str]) -> list[Ref | None] | None:
         """Per whole-block prefix, its ref if one is stored and every object it names is (two store calls);
         None when the store did not answer (counted: a miss)."""
-        try:
-            blobs = self.store.get_many([ref_key(self.namespace, h) for h in prefixes])
-        except StoreDownError:
-            self.stats.add(lookup_failures=1, lookups_store_down=1)
-            return None
-        except StoreError as exc:
-            self.stats.add(lookup_failures=1)
-            logger.warning("kvcodec: reading block refs failed, computing those blocks instead: %s", exc)
+        blobs = self._ask_store(lambda: self.store.get_many([ref_key(self.namespace, h) for h in prefixes]),
+                                "reading block refs failed, computing those blocks instead")
+        if blobs is None:
             return None
         refs = [parse_ref(b, self.chunk, 1) for b in blobs]
         self.stats.add(refs_read=sum(b is not None for b in blobs), refs_invalid=sum(
