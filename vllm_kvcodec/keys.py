@@ -12,6 +12,9 @@ stable across processes, machines and Python versions (no ``hash()``, no pickle)
 The tensor-parallel rank and the layer group are path parts of the object key;
 a replicated cache (MLA's latent under tensor parallelism: every rank holds the
 whole latent) has one object per layer group, ``all`` in place of the rank.
+Under pipeline parallelism (``pp_layers``) layer groups never straddle a stage
+and are numbered across stages, so each stage writes and reads its own groups
+under keys no other stage uses, and a lookup asks for every stage's groups.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ class Namespace:
     # one rank and loaded by all (see object_key). In the digest: a deployment that stored one object per rank
     # before this rule never finds half of a chunk under the other scheme.
     kv_replicated: bool = False
+    # Pipeline parallelism: each stage's layer count, in stage order ("15,15"); "" for one stage. In the digest
+    # only when set: stages change the layer groups, and one stage's objects are no other stage's.
+    pp_layers: str = ""
 
     @functools.cached_property
     def digest(self) -> str:
@@ -65,13 +71,33 @@ class Namespace:
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return xxhash.xxh3_128_hexdigest(blob)
 
+    def stages(self) -> list[range]:
+        """The layers of each pipeline stage, in order (one stage of every layer without pipeline parallelism)."""
+        if not self.pp_layers:
+            return [range(self.num_layers)]
+        out, start = [], 0
+        for count in (int(c) for c in self.pp_layers.split(",")):
+            out.append(range(start, start + count))
+            start += count
+        if start != self.num_layers:
+            raise ValueError(f"pipeline stages of {self.pp_layers} layers do not make {self.num_layers}")
+        return out
+
     def layer_groups(self) -> list[range]:
-        """The layers each stored object holds, in order: ``layers_per_object`` at a time."""
+        """The layers each stored object holds, in order: ``layers_per_object`` at a time, within each stage."""
         per = self.layers_per_object
-        return [range(i, min(i + per, self.num_layers)) for i in range(0, self.num_layers, per)]
+        return [range(i, min(i + per, s.stop)) for s in self.stages() for i in range(s.start, s.stop, per)]
+
+    def stage_groups(self, stage: int) -> tuple[int, list[range]]:
+        """One stage's layer groups: the global number of its first group, and each group's layers counted from
+        the stage's first layer (the positions of the KV caches that stage's worker holds)."""
+        first = self.stages()[stage].start
+        groups = self.layer_groups()
+        mine = [i for i, g in enumerate(groups) if g.start in self.stages()[stage]]
+        return mine[0], [range(groups[i].start - first, groups[i].stop - first) for i in mine]
 
 
-_OPTIONAL_FIELDS = ("kv_scales", "attention", "kv_replicated")
+_OPTIONAL_FIELDS = ("kv_scales", "attention", "kv_replicated", "pp_layers")
 
 
 def chunk_hashes(
@@ -177,9 +203,18 @@ class ObjectAddresses:
     namespace: Namespace
     tp_rank: int
     groups: tuple[range, ...]
+    #: Pipeline parallelism: this stage's first layer group (``groups`` are numbered from 0 within the stage).
+    first_group: int = 0
 
     def key(self, chunk_hash: str, group: int) -> str:
-        return object_key(self.namespace, chunk_hash, self.tp_rank, group)
+        """The key of this rank's object of ``group`` (counted within this stage) of a chunk."""
+        return object_key(self.namespace, chunk_hash, self.tp_rank, self.first_group + group)
+
+    @property
+    def writes_refs(self) -> bool:
+        """Block refs name a whole chunk (every rank's, every stage's objects): one writer per deployment, the
+        first stage's rank 0."""
+        return self.tp_rank == 0 and self.first_group == 0
 
     @property
     def saves(self) -> bool:

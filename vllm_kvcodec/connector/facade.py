@@ -29,12 +29,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from vllm_kvcodec.connector.cache_groups import CacheGroups, cache_groups_for, layer_index, load_mode
-from vllm_kvcodec.connector.cache_identity import cache_dtype_name, check_uniform_cache_dtype
+from vllm_kvcodec.connector.cache_groups import FULL, CacheGroups, cache_groups_for, layer_index, load_mode
+from vllm_kvcodec.connector.cache_identity import cache_dtype_name, check_uniform_cache_dtype, is_fp8
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.identity import compute_identity, model_identity
-from vllm_kvcodec.keys import Namespace
+from vllm_kvcodec.keys import Namespace, stored_ranks
 from vllm_kvcodec.connector.kv_events import store_events_for
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
 from vllm_kvcodec.connector.scheduler_half import SchedulerHalf
@@ -89,9 +89,11 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
             apply_load_failure_policy(transfer, self.config)  # vLLM reads it right after creating this connector
             self.scheduler = SchedulerHalf(self.config, namespace, len(groups), namespace.tp_size, cache_groups)
             self.scheduler.events = store_events_for(vllm_config, self.config, kv_cache_config, cache_groups.block_sizes,
-                                                     namespace.tp_size, self.scheduler.stats)
+                                                     saving_workers(namespace), self.scheduler.stats)
         else:
-            self.worker = WorkerHalf(vllm_config, self.config, namespace, groups, _tp_rank(), cache_groups)
+            first_group, stage_groups = namespace.stage_groups(_pp_rank())
+            self.worker = WorkerHalf(vllm_config, self.config, namespace, stage_groups, _tp_rank(), cache_groups,
+                                     first_group=first_group)
         self.created = next(_CREATED)
         self._last_log = time.monotonic()
         self._outages_reported = 0
@@ -206,6 +208,11 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         self._s.adopt_handshake(metadata)  # before the first request: keys of fp8 caches need the scales
 
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Every worker's handshake, keyed by (pipeline stage, TP rank): with pipeline parallelism each stage is
+        its own set of workers, and all of them must report the namespace the scheduler keys chunks in."""
+        self._s.adopt_handshake({i: h for i, h in enumerate(metadata.values())})
+
     @property
     def requires_kv_delivery(self) -> bool:
         """A cache, not a producer handing KV to a consumer: a save that does not happen is a future miss."""
@@ -257,28 +264,63 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
 
 def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig, cache_groups: CacheGroups | None = None,
                     kv_cache_config: "KVCacheConfig | None" = None) -> Namespace:
-    """Everything that must match for two engines to share chunks (see keys.py)."""
+    """Everything that must match for two engines to share chunks (see keys.py).
+
+    The same in the scheduler and in every worker, whatever pipeline stage it
+    runs: layers are counted over the whole model and the stages named.
+    """
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        raise ConfigError(f"KVCodecConnector does not support pipeline parallelism (pipeline_parallel_size="
-                          f"{parallel.pipeline_parallel_size}): each stage holds only its own layers, and chunk keys "
-                          "have no stage in them; see docs/parallelism.md")
     dtype = cache_dtype_name(vllm_config.cache_config.cache_dtype, model.dtype)
+    stages = pipeline_stages(model, parallel, dtype, cache_groups)
+    num_layers = sum(stages)
+    attention = (_attention(cache_groups, kv_cache_config) if len(stages) == 1
+                 else _uniform_attention(cache_groups, num_layers))
     return Namespace(
         model_id=config.model_id or model_identity(model.model, model.revision, model.quantization),
         dtype=dtype,
-        num_layers=model.get_num_layers(parallel),
+        num_layers=num_layers,
         num_kv_heads=model.get_num_kv_heads(parallel),
         head_dim=model.get_head_size(),
         layout_id=config.object_layout_id(vllm_config.cache_config.block_size),
         tp_size=parallel.tensor_parallel_size,
         chunk_size=config.chunk_size,
-        layers_per_object=config.object_layers(model.get_num_layers(parallel), on_cpu=_on_cpu()),
+        layers_per_object=config.object_layers(max(stages), on_cpu=_on_cpu()),
         salt=config.salt,
         compute="" if config.share_across_platforms else compute_identity(vllm_config),
-        attention=_attention(cache_groups, kv_cache_config),
+        attention=attention,
         kv_replicated=_replicated(model, parallel),
+        pp_layers=",".join(map(str, stages)) if len(stages) > 1 else "",
     )
+
+
+def pipeline_stages(model: Any, parallel: Any, dtype: str, cache_groups: CacheGroups | None) -> list[int]:
+    """Each pipeline stage's layer count (vLLM's own split, ``get_pp_indices``); one stage without PP.
+
+    Refuses what the stages could not key alike: each process sees only its
+    own stage's layers, so per-layer facts that differ along the model (fp8
+    scales, several KV cache groups) would give each stage other keys.
+    """
+    size = parallel.pipeline_parallel_size
+    if size == 1:
+        return [model.get_num_layers(parallel)]
+    from vllm.distributed.utils import get_pp_indices
+
+    why = ("an fp8 KV cache (its per-layer scales are known per stage only)" if is_fp8(dtype)
+           else "several KV cache groups (hybrid attention: each stage sees only its own layers' groups)"
+           if cache_groups is not None and cache_groups.multi else "")
+    if why:
+        raise ConfigError(f"KVCodecConnector supports pipeline parallelism (pipeline_parallel_size={size}) for bf16/fp16 "
+                          f"caches of one KV cache group (full attention, one window, MLA), not {why}; "
+                          "see docs/parallelism.md")
+    total = model.get_total_num_hidden_layers()
+    return [end - start for start, end in (get_pp_indices(total, r, size) for r in range(size))]
+
+
+def _uniform_attention(cache_groups: CacheGroups | None, num_layers: int) -> str:
+    """The whole model's attention kinds from one stage: with one KV cache group (what pipeline parallelism is
+    supported for) every layer of every stage has that group's kind."""
+    label = cache_groups.groups[0].label if cache_groups is not None and cache_groups.groups else FULL
+    return "" if label == FULL else ",".join([label] * num_layers)
 
 
 def _replicated(model: Any, parallel: Any) -> bool:
@@ -321,6 +363,21 @@ def apply_load_failure_policy(transfer: "KVTransferConfig", config: ConnectorCon
         logger.info("kvcodec: kv_load_failure_policy %r (was %r): a failed load is %s", wanted, current,
                     "recomputed" if wanted == "recompute" else "an error of its request")
         transfer.kv_load_failure_policy = wanted
+
+
+def saving_workers(namespace: Namespace) -> int:
+    """How many workers report each chunk's save: every stage's saving ranks (one per stage for a replicated
+    latent, whose other ranks only load)."""
+    return len(stored_ranks(namespace, namespace.tp_size)) * len(namespace.stages())
+
+
+def _pp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return get_pp_group().rank_in_group
+    except (AssertionError, ImportError, RuntimeError):
+        return 0
 
 
 def _tp_rank() -> int:

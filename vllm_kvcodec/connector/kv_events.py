@@ -88,12 +88,12 @@ class StoreEvents:
     """The connector's KV events, collected between two ``take`` calls of vLLM's scheduler (off: nothing is kept)."""
 
     def __init__(self, *, enabled: bool, medium: str = "KVCODEC", locality: str | None = None,
-                 block_sizes: Sequence[int] = (), hash_block_size: int = 0, tp_size: int = 1,
+                 block_sizes: Sequence[int] = (), hash_block_size: int = 0, savers: int = 1,
                  stats: ConnectorStats | None = None) -> None:
         self.enabled = enabled
         self.medium, self.locality = medium, locality
         self.block_sizes, self.hash_block_size = list(block_sizes), hash_block_size
-        self.tp_size = tp_size
+        self.savers = savers  # workers that report each chunk's save (TP ranks that write x pipeline stages)
         self.stats = stats if stats is not None else ConnectorStats()
         self._saves: dict[str, _PendingSave] = {}  # chunk hash -> its save in flight
         self._loads: dict[int, dict[str, list[_GroupBlocks]]] = {}  # load id -> chunk hash -> its blocks
@@ -116,7 +116,7 @@ class StoreEvents:
             blocks, lora.adapter_id if lora else None, lora.name if lora else None, getattr(request, "session_id", None)))
 
     def save_settled(self, outcome: SaveOutcome) -> None:
-        """One rank's outcome of a save: BlockStored once every rank's landed; a save that failed is forgotten."""
+        """One worker's outcome of a save: BlockStored once every saving worker's landed; a save that failed is forgotten."""
         pending = self._saves.get(outcome.chunk_hash) if self.enabled else None
         if pending is None:
             return
@@ -124,7 +124,7 @@ class StoreEvents:
             del self._saves[outcome.chunk_hash]  # planned again, and snapshotted again, if it still can be
             return
         pending.landed += 1
-        if pending.landed < self.tp_size:
+        if pending.landed < self.savers:
             return
         del self._saves[outcome.chunk_hash]
         for b in pending.blocks:
@@ -209,7 +209,7 @@ def _bounded_put(table: dict[str, Any], key: str, value: Any) -> None:
 
 
 def store_events_for(vllm_config: "VllmConfig", config: "ConnectorConfig", kv_cache_config: "KVCacheConfig | None",
-                     block_sizes: Sequence[int], tp_size: int, stats: ConnectorStats) -> StoreEvents:
+                     block_sizes: Sequence[int], savers: int, stats: ConnectorStats) -> StoreEvents:
     """On when vLLM publishes KV cache events (``--kv-events-config``) and ``kv_events`` is not turned off."""
     events_config = getattr(vllm_config, "kv_events_config", None)
     if not (config.kv_events and events_config is not None and events_config.enable_kv_cache_events):
@@ -220,4 +220,4 @@ def store_events_for(vllm_config: "VllmConfig", config: "ConnectorConfig", kv_ca
     locality = "LOCAL" if reads_in_memory(config.store) else "REMOTE"
     logger.info("kvcodec: publishing the store's KV cache events as medium %r (%s)", config.kv_events_medium, locality)
     return StoreEvents(enabled=True, medium=config.kv_events_medium, locality=locality, block_sizes=block_sizes,
-                       hash_block_size=hash_block_size, tp_size=tp_size, stats=stats)
+                       hash_block_size=hash_block_size, savers=savers, stats=stats)

@@ -63,12 +63,13 @@ PROBE_BYTES = 4 << 20
 
 class WorkerHalf:
     def __init__(self, vllm_config: "VllmConfig", config: ConnectorConfig, namespace: Namespace, groups: list[range],
-                 tp_rank: int, cache_groups: CacheGroups) -> None:
+                 tp_rank: int, cache_groups: CacheGroups, first_group: int = 0) -> None:
         if not ObjectAddresses(namespace, tp_rank, ()).saves:
             # A replicated cache (MLA's latent, TP > 1) is written by rank 0 only: one writer per key; this rank loads.
             config = config.model_copy(update={"save": False})
         self.vllm_config, self.config, self.namespace = vllm_config, config, namespace
         self.groups, self.tp_rank, self.cache_groups = groups, tp_rank, cache_groups
+        self.first_group = first_group  # pipeline parallelism: this stage's groups are numbered from it in keys
         self.stats = ConnectorStats()
         dtype = DType.parse(namespace.dtype)
         self.objects = object_layout_for(namespace.layout_id)  # what one stored object holds: pages or canonical KV
@@ -107,8 +108,9 @@ class WorkerHalf:
         own = {name: t for name, t in kv_caches.items() if name not in shared}
         layouts = layouts_for(self.vllm_config, own)
         names = sorted(own, key=layer_index)
-        if len(names) != self.namespace.num_layers:
-            raise ConfigError(f"expected {self.namespace.num_layers} KV layers, vLLM registered {len(names)}")
+        expected = sum(len(g) for g in self.groups)  # this pipeline stage's layers (all of them without PP)
+        if len(names) != expected:
+            raise ConfigError(f"expected {expected} KV layers, vLLM registered {len(names)}")
         self._check_layouts(names, layouts)
         self._adopt_scales(names)
         self._layer_of = {name: i for i, name in enumerate(names)}
@@ -118,7 +120,8 @@ class WorkerHalf:
         self.caches, self.layouts = caches, ordered
         self._check_save_room()
         self.layer_cache_groups = [self.cache_groups.of_layer(n) for n in names]
-        addresses = ObjectAddresses(self.namespace, self.tp_rank, tuple(self.groups))
+        addresses = ObjectAddresses(self.namespace, self.tp_rank, tuple(self.groups), self.first_group)
+        self.addresses = addresses
         cores_all_busy = not caches[0].is_cuda and idle_cores() == 0  # a CPU engine's threads take every core
         self._whole_loads = self.config.load_wait == "whole" or (self.config.load_wait == "auto" and cores_all_busy)
         threads = load_threads(self.config.fetch_threads, self.config.decode_threads, on_device=caches[0].is_cuda,
@@ -137,7 +140,6 @@ class WorkerHalf:
         if self.config.prefetches() and not self.store.ranged_reads:  # objects read in place are never taken
             self.prefetcher = Prefetcher(self.store, self.config.prefetch_bytes, self.stats)
             self.fetcher.prefetched = self.prefetcher
-            self._addresses = addresses
         self.saver = Saver(self.store, addresses, self.chooser, self.config.save_threads,
                            self.config.max_pending_save_bytes, self.stats, report=self._save_settled,
                            nice=self.config.save_thread_nice)
@@ -228,7 +230,7 @@ class WorkerHalf:
                 self.prefetcher.start(ahead.req_id, self._prefetch_objects(ahead.chunk_hashes))
         if self.prefetcher is not None and meta.loads:
             chunks = [c.chunk_hash for spec in meta.loads for c in spec.chunks]
-            self.prefetcher.claim([self._addresses.key(h, g) for h in chunks for g in range(len(self.groups))])
+            self.prefetcher.claim([self.addresses.key(h, g) for h in chunks for g in range(len(self.groups))])
         self._load_ids.update((spec.req_id, spec.load_id) for spec in meta.loads)
         sync = [s for s in meta.loads if not s.is_async]
         if sync:
@@ -245,7 +247,7 @@ class WorkerHalf:
         out = []
         for g, layers in enumerate(self.groups):
             size = len(layers) * self.namespace.chunk_size * self.layouts[layers[0]].token_nbytes() + PREFETCH_SLACK
-            out.extend((self._addresses.key(h, g), size) for h in chunk_hashes)
+            out.extend((self.addresses.key(h, g), size) for h in chunk_hashes)
         return out
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -196,9 +196,9 @@ class Saver:
             self.report(SaveOutcome(req_id, chunk_hash, landed))
 
     def _put_refs(self, chunk_hash: str, tokens: int, refs: Sequence[str]) -> None:
-        """The object's block refs, after it landed (a ref never names an object not yet stored), by rank 0 only
-        (they are namespace-wide). A ref that fails to land is a shorter hit later, not a failed save."""
-        if not refs or self.addresses.tp_rank != 0:
+        """The object's block refs, after it landed (a ref never names an object not yet stored), by one rank
+        only (they are namespace-wide: ``writes_refs``). A ref that fails to land is a shorter hit later, not a failed save."""
+        if not refs or not self.addresses.writes_refs:
             return
         value = encode_ref(Ref(chunk_hash, tokens))
         try:
