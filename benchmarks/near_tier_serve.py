@@ -18,7 +18,9 @@ Writes bench-results/near_tier_serve.json. The host may be shared: TTFT is
 noisy there, the byte counts are exact.
 
 ``--redis-url`` and ``--prefix`` reuse a far store that a ``save`` step already
-filled (``--steps near_cold,near_warm``).
+filled (``--steps near_cold,near_warm``). A step may repeat (``save,far,far``).
+``--keep DIR`` keeps each step's server and client logs there. TTFT is only
+comparable between runs on a host with nothing else running (docs/tiers.md).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def main() -> None:
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--prefix", default=None)
     parser.add_argument("--output", type=Path, default=Path("bench-results/near_tier_serve.json"))
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="a directory for each step's server and client logs, kept after the run")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm_kvcodec.tools.smollm2 import model_dir
@@ -64,14 +68,15 @@ def main() -> None:
     redis_url = args.redis_url or server.url
     prefix = args.prefix or f"kvcodec-bench-near/{uuid.uuid4().hex[:12]}/"
     far = f"link+{redis_url}?gbps=1&rtt_ms=10&prefix={prefix}"
-    work = Path(tempfile.mkdtemp(prefix="kvcodec-near-serve-"))
+    work = args.keep or Path(tempfile.mkdtemp(prefix="kvcodec-near-serve-"))
+    work.mkdir(parents=True, exist_ok=True)
     near = f"cache+{far}&near=file://{work / 'near'}&near_bytes=2GiB"
     urls = {"save": far, "far": far, "near_cold": near, "near_warm": near}
     rows: list[dict[str, Any]] = []
     try:
-        for step in args.steps.split(","):
+        for i, step in enumerate(args.steps.split(",")):
             kind = "save" if step == "save" else "load"
-            r = serve._one_run(kind, model, urls[step], CONNECTOR, client, work / step)
+            r = serve._one_run(kind, model, urls[step], CONNECTOR, client, work / f"{i}-{step}")
             row = {"step": step, "median_ttft_ms": r["median_ttft_ms"], "p99_ttft_ms": r["p99_ttft_ms"],
                    "mean_ttft_ms": r["mean_ttft_ms"], "completed": r["completed"], "failed": r["failed"],
                    "far_read_bytes_per_request": far_bytes(r["counters"]) / max(1, r["completed"]),
@@ -83,7 +88,10 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            shutil.rmtree(work / "near", ignore_errors=True)  # the near tier's objects; the logs stay
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps({"benchmark": "near_tier_serve", "workload": WORKLOAD, "connector": CONNECTOR,
                                            "far": "link+redis (1 Gbit/s, 10 ms RTT)", "rows": rows,
