@@ -195,3 +195,15 @@ def test_config_says_which_block_sizes_a_chunk_size_fits() -> None:
     cuda_only = kvcodec("config", "--chunk-size", "48")
     assert cuda_only.returncode == 0 and json.loads(cuda_only.stdout)["kv_connector_extra_config"]["chunk_size"] == 48
     assert "fits --block-size 16, 48 (CUDA) but no block size of vLLM's CPU backend" in cuda_only.stderr
+
+
+def test_bench_serve_compares_loading_servers_per_lookup_mode_and_prefetch_budget() -> None:
+    """Each variant is a loading server whose connector config sets what its name says."""
+    from vllm_kvcodec.tools.bench.serve import _variant_config, load_variants
+
+    assert load_variants(("sync", "async"), ()) == ["load-sync", "load-async"]  # the names earlier results used
+    kinds = load_variants(("async",), (0, 1 << 28))
+    assert kinds == ["load-async,prefetch=0", "load-async,prefetch=268435456"]
+    assert [_variant_config(k) for k in kinds] == [{"lookup": "async", "prefetch_bytes": 0},
+                                                   {"lookup": "async", "prefetch_bytes": 1 << 28}]
+    assert _variant_config("load-prefetch=0") == {"prefetch_bytes": 0} and _variant_config("save") == {}

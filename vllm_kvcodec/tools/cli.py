@@ -59,6 +59,7 @@ def bench_serve(
     upgrade: bool = typer.Option(True, help="upgrade_fallback_chunks: loading servers re-encode fallback-coded objects they load."),
     link: Optional[str] = typer.Option(None, help="Put the temporary file store behind the link emulator, e.g. 'gbps=10&rtt_ms=10'."),
     lookup: Optional[list[str]] = typer.Option(None, "--lookup", help="Compare loading servers per lookup mode (repeatable: sync, async); no server without the connector then."),
+    prefetch: Optional[list[int]] = typer.Option(None, "--prefetch", min=0, help="Compare loading servers per prefetch_bytes (repeatable, e.g. 0 and 268435456; with --lookup: every pair); no server without the connector then."),
 ) -> None:
     """vLLM's own client (vllm bench serve, prefix_repetition) against vllm serve without the connector, saving, and loading."""
     from vllm_kvcodec.errors import ConfigError
@@ -74,7 +75,7 @@ def bench_serve(
     serve.run(output, repeats=repeats, codec=codec, store=store, num_prompts=num_prompts, prefix_len=prefix_len,
               suffix_len=suffix_len, num_prefixes=num_prefixes, output_len=output_len, request_rate=request_rate,
               save_thread_nice=save_thread_nice, codec_when_behind=behind, upgrade=upgrade, link=link,
-              lookups=tuple(lookup or ()))
+              lookups=tuple(lookup or ()), prefetches=tuple(prefetch or ()))
 
 
 @bench_app.command("schedule")

@@ -61,6 +61,7 @@ def run(
     upgrade: bool = True,
     link: str | None = None,
     lookups: tuple[str, ...] = (),
+    prefetches: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     from vllm_kvcodec.tools.smollm2 import model_dir
 
@@ -75,9 +76,9 @@ def run(
         for r in range(repeats):
             url = _store_url(store, tmp, r, link)
             order = KINDS if r % 2 == 0 else ("save", "load", "none")  # load right after the save that fills its store
-            if lookups:  # one loading server per lookup mode, in turns, after the save that fills their store
-                modes = lookups if r % 2 == 0 else tuple(reversed(lookups))
-                order = ("save", *(f"load-{m}" for m in modes))
+            if lookups or prefetches:  # one loading server per variant, in turns, after the save that fills their store
+                variants = load_variants(lookups, prefetches)
+                order = ("save", *(variants if r % 2 == 0 else reversed(variants)))
             for kind in order:
                 console.log(f"[{r + 1}/{repeats}] {kind}: starting a server")
                 result = _one_run(kind, model, url, connector, client, tmp / f"r{r}-{kind}")
@@ -92,6 +93,7 @@ def run(
     result = {"benchmark": "serve", "machine": machine(), "codec": codec, "save_thread_nice": save_thread_nice,
               "save_codec_when_behind": codec_when_behind, "upgrade_fallback_chunks": upgrade,
               "store": store or "file (temporary)", "link": link, "lookups": list(lookups),
+              "prefetches": list(prefetches),
               "client": {"dataset": "prefix_repetition", "num_prompts": num_prompts, "prefix_len": prefix_len,
                          "suffix_len": suffix_len, "num_prefixes": num_prefixes, "output_len": output_len,
                          "request_rate": request_rate, "seed": seed},
@@ -99,6 +101,29 @@ def run(
     _print(result)
     write_json(result, output)
     return result
+
+
+def load_variants(lookups: tuple[str, ...], prefetches: tuple[int, ...]) -> list[str]:
+    """The loading servers to compare: one per lookup mode and prefetch budget (``load-sync``,
+    ``load-prefetch=0``, ``load-async,prefetch=268435456``)."""
+    out = []
+    for mode in lookups or (None,):
+        for budget in prefetches or (None,):
+            parts = ([mode] if mode else []) + ([f"prefetch={budget}"] if budget is not None else [])
+            out.append("load-" + ",".join(parts))
+    return out
+
+
+def _variant_config(kind: str) -> dict[str, Any]:
+    """What a ``load-...`` kind sets in the loading server's connector config."""
+    out: dict[str, Any] = {}
+    for part in kind.split("-", 1)[1].split(",") if kind.startswith("load-") else ():
+        name, _, value = part.partition("=")
+        if name == "prefetch":
+            out["prefetch_bytes"] = int(value)
+        else:
+            out["lookup"] = name
+    return out
 
 
 def _client_args(model: str, num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int,
@@ -132,8 +157,8 @@ def _server_argv(kind: str, model: str, url: str, connector: dict[str, Any]) -> 
               "--enable-prefix-caching", "--served-model-name", SERVED_NAME]
     if kind == "none":
         return ["-m", "vllm_kvcodec.tools.vllm_cli", "serve", model, *engine]
-    lookup = {"lookup": kind.split("-", 1)[1]} if kind.startswith("load-") else {}
-    plan = plan_serve(model, {"store": url, "log_interval_s": 0, **connector, **lookup}, engine, os.environ)
+    plan = plan_serve(model, {"store": url, "log_interval_s": 0, **connector, **_variant_config(kind)}, engine,
+                      os.environ)
     return ["-m", "vllm_kvcodec.tools.vllm_cli", *plan.argv]
 
 
