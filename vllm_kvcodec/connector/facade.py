@@ -232,8 +232,14 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
         return summarize(half.stats.totals()) if half is not None else {}
 
     def flush(self, timeout: float | None = 60.0) -> bool:
-        """Wait for background saves, then upgrades (tests, benchmarks, the demo)."""
-        if self.worker is None or self.worker.saver is None:
+        """Wait for background work: loads abandoned at their deadline still reading, saves, then upgrades
+        (tests, benchmarks, the demo: counters read after it include all of them)."""
+        if self.worker is None:
+            return True
+        fetcher = self.worker.fetcher
+        if not (fetcher is None or fetcher.settle(timeout)):
+            return False
+        if self.worker.saver is None:
             return True
         if self.worker.save_gather is not None:
             self.worker.save_gather.flush()  # chunks still on their way to the saver (GPU hand-off)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -193,6 +194,8 @@ class Fetcher:
         self._pool = started_pool(threads, "kvcodec-fetch", _warm_thread)
         self._decode_pool: ThreadPoolExecutor | None = None
         self._cache_bytes: dict[int, LayerBytes] = {}  # per layer, for reads in place
+        self._batches_left = 0  # batches queued or running, over every job (settle)
+        self._settled = threading.Condition()
         #: Told of each object decoded from fetched bytes (key, bytes, header), after it landed: the save path's
         #: upgrade of fallback-coded objects (:mod:`vllm_kvcodec.save.upgrade`). Must not raise or block.
         self.after_load: Callable[[str, bytes, ChunkHeader], object] | None = None
@@ -212,8 +215,29 @@ class Fetcher:
                 job.expect(g, i, spec.req_id, chunk.chunk_hash, chunk.block_ids)
         for g in range(len(self.groups)):  # layer-group order: the first layers' KV arrives first
             for batch in self._batches(g, [(i, chunk) for i, (_, chunk) in enumerate(chunks)]):
-                self._pool.submit(self._load_batch, job, g, batch)
+                with self._settled:
+                    self._batches_left += 1
+                self._pool.submit(self._counted_batch, job, g, batch)
         return job
+
+    def settle(self, timeout: float | None) -> bool:
+        """Wait until no batch is queued or reading (False: ``timeout`` came first).
+
+        A load abandoned at its deadline is recomputed at once, but its batches
+        still finish their reads here in the background; counters read before
+        that lack them (tests, benchmarks: ``KVCodecConnector.flush``).
+        """
+        with self._settled:
+            return self._settled.wait_for(lambda: self._batches_left == 0, timeout)
+
+    def _counted_batch(self, job: LoadJob, group: int, batch: list[tuple[int, ChunkLoad]]) -> None:
+        try:
+            self._load_batch(job, group, batch)
+        finally:
+            with self._settled:
+                self._batches_left -= 1
+                if not self._batches_left:
+                    self._settled.notify_all()
 
     def _batches(self, group: int, objects: list[tuple[int, ChunkLoad]]) -> list[list[tuple[int, ChunkLoad]]]:
         """A group's objects in batches of at most BATCH_BYTES of raw KV: one store round trip per batch.
