@@ -8,6 +8,10 @@ import sys
 
 import pytest
 
+from vllm_kvcodec.tools.bench.cpu_floor import usable_cores
+
+TICK_S = 0.004  # how late a running thread's CPU time may reach the process total (one tick at 250 Hz)
+
 
 def kvcodec(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "vllm_kvcodec.tools.cli", *args], capture_output=True, text=True, timeout=timeout)
@@ -95,10 +99,13 @@ def test_bench_ttft_replay_only_runs_the_example_connector_comparison_alone(tmp_
     assert "ExampleConnector" in done.stdout
     # the CPU floor: the engine runs in this process, so its prefill's CPU is counted (a core busy at least half
     # the time), and no wall time is below CPU over the cores: the floor is under every row's ratio (a local hit
-    # keeps every core busy, so the two meet, within the kernel's CPU accounting: 0.6% over was seen)
+    # keeps every core busy, so the two meet, within the kernel's CPU accounting: a thread still running adds its
+    # time to the process total at its next tick, up to 4 ms late at 250 Hz; 0.6 ms over a 22 ms hit was seen)
+    cores = usable_cores()
     for r in replay.values():
         assert all(c >= 0.5 * t for c, t in zip(r["cpu_all_s"], r["ttft_all_s"])), r
-        assert 0 < r["floor_over_local"] <= r["over_local"] * 1.02, r
+        assert all(c / cores <= t * 1.02 + TICK_S for c, t in zip(r["cpu_all_s"], r["ttft_all_s"])), (cores, r)
+        assert 0 < r["floor_over_local"] <= r["over_local"] * 1.02 + TICK_S / min(r["local_hit_all_s"]), r
 
 
 def test_unknown_command_fails_cleanly() -> None:
