@@ -39,3 +39,17 @@ def test_settle_waits_for_the_read_of_a_load_abandoned_at_its_deadline() -> None
         assert fetcher.settle(0)
     finally:
         fetcher.shutdown()
+
+
+def test_batches_cancelled_by_shutdown_leave_nothing_to_wait_for() -> None:
+    caches = [torch.zeros((4, 2, 16, 64), dtype=torch.bfloat16) for _ in range(2)]
+    layout = layout_for("CPU_ATTN", caches[0], block_size=16, head_size=32, num_kv_heads=2)
+    ns = Namespace(model_id="m", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=32, layout_id="canonical-v1",
+                   tp_size=1, chunk_size=16, layers_per_object=1)  # two groups: two batches, one fetch thread
+    stats = ConnectorStats()
+    store = open_store(f"link+memory://?gbps=10&rtt_ms={RTT_S * 1000:g}")
+    fetcher = Fetcher(store, ObjectAddresses(ns, 0, tuple(ns.layer_groups())), caches, [layout] * 2, 1, stats)
+    fetcher.submit([LoadSpec("r", [ChunkLoad("0" * 32, [Span(0, list(range(16)))], [1])], False)], timeout_s=0.05)
+    fetcher.shutdown()  # a batch already reading finishes (1 s); at least the second, still queued, is cancelled
+    assert stats.totals().get("fetch_batches", 0) <= 1
+    assert fetcher.settle(0)

@@ -217,7 +217,11 @@ class Fetcher:
             for batch in self._batches(g, [(i, chunk) for i, (_, chunk) in enumerate(chunks)]):
                 with self._settled:
                     self._batches_left += 1
-                self._pool.submit(self._counted_batch, job, g, batch)
+                try:
+                    self._pool.submit(self._counted_batch, job, g, batch)
+                except RuntimeError:  # the pool is shut down: the batch never runs, so it is not in the air
+                    self._batch_settled()
+                    raise
         return job
 
     def settle(self, timeout: float | None) -> bool:
@@ -234,10 +238,13 @@ class Fetcher:
         try:
             self._load_batch(job, group, batch)
         finally:
-            with self._settled:
-                self._batches_left -= 1
-                if not self._batches_left:
-                    self._settled.notify_all()
+            self._batch_settled()
+
+    def _batch_settled(self) -> None:
+        with self._settled:
+            self._batches_left -= 1
+            if not self._batches_left:
+                self._settled.notify_all()
 
     def _batches(self, group: int, objects: list[tuple[int, ChunkLoad]]) -> list[list[tuple[int, ChunkLoad]]]:
         """A group's objects in batches of at most BATCH_BYTES of raw KV: one store round trip per batch.
@@ -477,6 +484,9 @@ class Fetcher:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._settled:  # batches cancelled before they ran are not in the air either
+            self._batches_left = 0
+            self._settled.notify_all()
         if self._decode_pool is not None:
             self._decode_pool.shutdown(wait=True)
         self.placement.shutdown()
