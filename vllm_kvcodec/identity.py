@@ -9,16 +9,23 @@ Equal token ids do not mean equal KV. The KV also depends on
   platform, ISA or library version gives valid KV that differs from this
   engine's in the last bits, so by default chunks are shared only between
   engines of the same kind (:func:`compute_identity`);
+- the model configuration beyond the weights: ``hf_overrides`` (a rope
+  override changes every K), the effective rotary and window settings, the
+  model implementation, quantisation parameters (:func:`config_inputs`;
+  docs/reliability.md lists what is and is not keyed, and why);
 - the request: vLLM's ``cache_salt`` (tenants that must not share), the LoRA
-  adapter, and multimodal inputs whose placeholder tokens are equal for any
-  image (:func:`prompt_identity`). Prompts given as embeddings have no token
-  ids to key on and are never cached.
+  adapter by name, path and weights (:func:`lora_identity`: one name may
+  point at other weights on another instance, or after a reload), and
+  multimodal inputs whose placeholder tokens are equal for any image
+  (:func:`prompt_identity`). Prompts given as embeddings have no token ids to
+  key on and are never cached.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -40,7 +47,7 @@ class PromptIdentity:
     """Request context mixed into the chunk key chain, beyond the token ids."""
 
     salt: str = ""  # vLLM's per-request cache_salt
-    lora: str = ""  # LoRA adapter name ("" = base model)
+    lora: str = ""  # LoRA adapter: lora_identity ("" = base model)
     media: tuple[tuple[int, str], ...] = ()  # (placeholder offset, content hash) per multimodal item
 
     def seed(self) -> bytes:
@@ -62,11 +69,30 @@ def prompt_identity(request: "Request") -> PromptIdentity | None:
     """The request's context, or None when its KV must not be stored or loaded (prompt embeddings)."""
     if getattr(request, "prompt_embeds", None) is not None:
         return None
-    lora = getattr(request, "lora_request", None)
     media = tuple(
         sorted((int(f.mm_position.offset), str(f.identifier)) for f in getattr(request, "mm_features", None) or [])
     )
-    return PromptIdentity(salt=getattr(request, "cache_salt", None) or "", lora=lora.lora_name if lora else "", media=media)
+    return PromptIdentity(salt=getattr(request, "cache_salt", None) or "",
+                          lora=lora_identity(getattr(request, "lora_request", None)), media=media)
+
+
+def lora_identity(lora: Any) -> str:
+    """A LoRA adapter as the KV it gives: its name, its path and, for a local folder, a fingerprint of its files.
+
+    vLLM keys its own cache by name and path, so that re-pointing a name at
+    another adapter does not reuse KV computed with the previous one. A
+    shared store also meets instances that load the same name and path with
+    other weights (another version deployed at the same place, an adapter
+    reloaded in place), hence the fingerprint, recomputed whenever a file's
+    size or modification time changes.
+    """
+    if lora is None:
+        return ""
+    path = str(getattr(lora, "lora_path", "") or "")
+    parts = {"name": lora.lora_name, "path": path}
+    if path and Path(path).exists():
+        parts["weights"] = weights_fingerprint(str(Path(path).resolve()))
+    return json.dumps(parts, sort_keys=True)
 
 
 def model_identity(model: str, revision: str | None, quantization: str | None) -> str:
@@ -78,21 +104,28 @@ def model_identity(model: str, revision: str | None, quantization: str | None) -
     return f"{base}/{quantization}" if quantization else base
 
 
-@functools.cache
 def weights_fingerprint(path: str) -> str:
     """XXH3-128 of the config files and sampled bytes of every weight file (sizes included).
 
     Reading 18 windows of 64 KiB per file keeps this to milliseconds for any
     model size while still telling apart re-conversions and fine-tunes, whose
-    bytes differ nearly everywhere.
+    bytes differ nearly everywhere. Remembered per path while no file's size
+    or modification time changes (a folder rewritten in place is read again).
     """
     root = Path(path)
     files = sorted(p for p in ([root] if root.is_file() else root.rglob("*")) if p.is_file() and _relevant(p))
+    names = [str(p.relative_to(root)) if root.is_dir() else p.name for p in files]
+    stats = [p.stat() for p in files]
+    return _fingerprint(path, tuple((n, st.st_size, st.st_mtime_ns) for n, st in zip(names, stats)))
+
+
+@functools.lru_cache(maxsize=256)
+def _fingerprint(path: str, files: tuple[tuple[str, int, int], ...]) -> str:
+    root = Path(path)
     h = xxhash.xxh3_128()
-    for p in files:
-        size = p.stat().st_size
-        h.update(f"{p.relative_to(root) if root.is_dir() else p.name}:{size}\n".encode())
-        with p.open("rb") as f:
+    for name, size, _ in files:
+        h.update(f"{name}:{size}\n".encode())
+        with (root / name if root.is_dir() else root).open("rb") as f:
             for offset in _sample_offsets(size):
                 f.seek(offset)
                 h.update(f.read(_SAMPLE))
@@ -100,7 +133,7 @@ def weights_fingerprint(path: str) -> str:
 
 
 def _relevant(p: Path) -> bool:
-    return p.suffix in WEIGHT_SUFFIXES or p.name in {"config.json", "generation_config.json"}
+    return p.suffix in WEIGHT_SUFFIXES or p.name in {"config.json", "generation_config.json", "adapter_config.json"}
 
 
 def _sample_offsets(size: int) -> list[int]:
@@ -108,6 +141,52 @@ def _sample_offsets(size: int) -> list[int]:
         return list(range(0, size, _SAMPLE))
     step = (size - _SAMPLE) // (_SAMPLES + 1)
     return [i * step for i in range(_SAMPLES + 2)]
+
+
+def config_inputs(vllm_config: "VllmConfig") -> str:
+    """SHA-256 of what in vLLM's model configuration changes the KV of the same weights and tokens, or "".
+
+    The weights fingerprint covers a local folder's ``config.json``, not what
+    vLLM makes of it: ``hf_overrides`` (a rope override changes every K; a
+    layer-count override, every layer), the effective rotary settings and
+    window after every override, the model implementation, quantisation
+    parameters, a config or weights path apart from the model's, remote code's
+    revision, a disabled sliding window and cascade attention. Only settings
+    away from their defaults are named, beside the rotary ones, which every
+    model has. docs/reliability.md lists what is keyed and what is not.
+    """
+    model = vllm_config.model_config
+    text = getattr(model, "hf_text_config", None)
+    parts: dict[str, Any] = {"rope": _rope(text)}
+    overrides = getattr(model, "hf_overrides", None)
+    if overrides:
+        parts["hf_overrides"] = overrides if isinstance(overrides, dict) else _qualname(overrides)
+    for name, default in (("model_impl", "auto"), ("quantization_config", None), ("disable_sliding_window", False),
+                          ("disable_cascade_attn", True)):
+        value = getattr(model, name, default)
+        if value != default and value is not None:
+            parts[name] = str(getattr(value, "value", value)) if not isinstance(value, (dict, bool)) else value
+    if getattr(model, "trust_remote_code", False):
+        parts["code_revision"] = model.code_revision or ""
+    for name in ("hf_config_path", "model_weights"):
+        if path := getattr(model, name, None):
+            parts[name] = weights_fingerprint(str(Path(path).resolve())) if Path(path).exists() else path
+    blob = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def _rope(text_config: Any) -> dict[str, Any]:
+    """The rotary settings K is computed with (after vLLM applied every override), and the window."""
+    if text_config is None:
+        return {}
+    keys = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "max_position_embeddings",
+            "sliding_window", "head_dim")
+    return {k: getattr(text_config, k) for k in keys if getattr(text_config, k, None) is not None}
+
+
+def _qualname(value: Any) -> str:
+    """A callable hf_overrides by name: its effect shows in the effective config the digest also covers."""
+    return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__name__)}"
 
 
 def compute_identity(vllm_config: "VllmConfig") -> str:

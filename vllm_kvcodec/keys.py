@@ -4,10 +4,13 @@ The namespace digests everything that makes two chunks' bytes incomparable:
 model identity (weights fingerprint), dtype (``fp8_e4m3`` / ``fp8_e5m2`` for fp8
 caches, with a digest of their per-layer scales), KV geometry, the content layout,
 the compute identity (platform, kernels, versions; see identity.py),
-tensor-parallel size, chunking, layer grouping and format version, plus an
-optional deployment salt, and whether every rank holds the same KV (``kv_replicated``). A chunk's key covers the whole prefix up to it
+tensor-parallel size, chunking, layer grouping and format version, the
+model-config inputs that change KV for the same weights (``hf_overrides`` and
+the like, see identity.py), the key hash itself, plus an optional deployment
+salt, and whether every rank holds the same KV (``kv_replicated``). A chunk's key covers the whole prefix up to it
 (``h_i = H(h_{i-1} || tokens_i || media_i)``, seeded by the request's salt and
-LoRA), so equal keys mean equal prefixes in equal contexts. XXH3-128 over explicit little-endian bytes:
+LoRA adapter), so equal keys mean equal prefixes in equal contexts. ``H`` is SHA-256
+unless the deployment opted into XXH3-128 (:mod:`~vllm_kvcodec.key_hash`), over explicit little-endian bytes:
 stable across processes, machines and Python versions (no ``hash()``, no pickle).
 The tensor-parallel rank and the layer group are path parts of the object key;
 a replicated cache (MLA's latent under tensor parallelism: every rank holds the
@@ -24,9 +27,12 @@ import functools
 import json
 from collections.abc import Sequence
 
-import numpy as np
-import xxhash
+import hashlib
+from collections.abc import Callable
 
+import numpy as np
+
+from vllm_kvcodec import key_hash
 from vllm_kvcodec.format import VERSION as FORMAT_VERSION
 from vllm_kvcodec.identity import PLAIN, PromptIdentity
 
@@ -47,6 +53,8 @@ class Namespace:
     salt: str = ""
     compute: str = ""  # identity.compute_identity, or "" where chunks are shared across platforms
     format_version: int = FORMAT_VERSION
+    # The key chain's hash (key_hash.py): objects saved under one algorithm are never found under another.
+    hash_algo: str = key_hash.SHA256
     # Objects are key-bound chunks (format flag KEY_BOUND) and readers require it; part of the
     # digest so that unbound objects written before this rule are never found, never re-read.
     key_bound: bool = True
@@ -61,15 +69,24 @@ class Namespace:
     # Pipeline parallelism: each stage's layer count, in stage order ("15,15"); "" for one stage. In the digest
     # only when set: stages change the layer groups, and one stage's objects are no other stage's.
     pp_layers: str = ""
+    # Model-config inputs that change the computed KV for the same weights and tokens (hf_overrides, model_impl,
+    # ...: identity.config_inputs), as a digest; "" where all are at their defaults.
+    config_inputs: str = ""
 
     @functools.cached_property
     def digest(self) -> str:
+        """SHA-256 of every field (whatever the chain's hash: computed once per engine)."""
         fields = dataclasses.asdict(self)
         for name in _OPTIONAL_FIELDS:
             if not fields[name]:
                 del fields[name]
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
-        return xxhash.xxh3_128_hexdigest(blob)
+        return hashlib.sha256(blob).hexdigest()
+
+    @functools.cached_property
+    def hash(self) -> Callable[[bytes], bytes]:
+        """The chain's digest function."""
+        return key_hash.digest_function(self.hash_algo)
 
     def stages(self) -> list[range]:
         """The layers of each pipeline stage, in order (one stage of every layer without pipeline parallelism)."""
@@ -97,7 +114,7 @@ class Namespace:
         return mine[0], [range(groups[i].start - first, groups[i].stop - first) for i in mine]
 
 
-_OPTIONAL_FIELDS = ("kv_scales", "attention", "kv_replicated", "pp_layers")
+_OPTIONAL_FIELDS = ("kv_scales", "attention", "kv_replicated", "pp_layers", "config_inputs")
 
 
 def chunk_hashes(
@@ -122,24 +139,24 @@ def extend_chunk_hashes(
     out = list(hashes[:num_chunks])
     if len(out) == num_chunks:
         return out
-    prev = _link(namespace, out, identity)
+    prev = chain_link(namespace, out, identity)
     start = len(out)
     tokens = np.asarray(token_ids[start * size : num_chunks * size], dtype="<i8")
     for c in range(start, num_chunks):
         media = identity.media_in(c * size, (c + 1) * size)
         part = tokens[(c - start) * size : (c - start + 1) * size]
-        prev = xxhash.xxh3_128_digest(prev + part.tobytes() + media)
+        prev = namespace.hash(prev + part.tobytes() + media)
         out.append(prev.hex())
     return out
 
 
-def _link(namespace: Namespace, hashes: Sequence[str], identity: PromptIdentity) -> bytes:
+def chain_link(namespace: Namespace, hashes: Sequence[str], identity: PromptIdentity) -> bytes:
     """The chain's value after ``hashes``: the last link, or the seed (namespace, salt, LoRA) before the first."""
     if hashes:
         return bytes.fromhex(hashes[-1])
-    prev = bytes.fromhex(namespace.digest)
+    prev = namespace.hash(bytes.fromhex(namespace.digest))
     if seed := identity.seed():
-        prev = xxhash.xxh3_128_digest(prev + seed)
+        prev = namespace.hash(prev + seed)
     return prev
 
 
@@ -165,13 +182,13 @@ def tail_hash(
         raise ValueError(f"a tail of {tokens} tokens from {start} needs {start + tokens} tokens, got {len(token_ids)}")
     part = np.asarray(token_ids[start : start + tokens], dtype="<i8")
     media = identity.media_in(start, start + tokens)
-    return xxhash.xxh3_128_digest(_link(namespace, hashes, identity) + _TAIL + part.tobytes() + media).hex()
+    return namespace.hash(chain_link(namespace, hashes, identity) + _TAIL + part.tobytes() + media).hex()
 
 
 def tail_position(namespace: Namespace, hashes: Sequence[str], identity: PromptIdentity = PLAIN) -> str:
     """A name for "some tail after the full chunks ``hashes``", whatever its length: what in-flight tail loads are
     tracked under, so a request whose local hit reaches into that chunk waits for any of them."""
-    return "tail@" + _link(namespace, hashes, identity).hex()
+    return "tail@" + chain_link(namespace, hashes, identity).hex()
 
 
 def object_key(namespace: Namespace, chunk_hash: str, tp_rank: int, group: int) -> str:

@@ -20,6 +20,8 @@ from vllm_kvcodec.identity import PLAIN, PromptIdentity, model_identity, weights
 from vllm_kvcodec.keys import Namespace, chunk_hashes
 
 BASE = Namespace("m#1", "bfloat16", 30, 3, 64, "canonical-v1", 1, 128, 5)
+#: BASE's digest. Pinned: a change of it orphans every object of every store (SHA-256 keys changed it once, on purpose).
+BASE_DIGEST = "7f2f1e2feee9dfe37907d2cfb5503416448bfc42cdc48f213416a7cb5dff10b5"
 TOKENS = list(range(1000, 1000 + 512))
 
 
@@ -29,7 +31,7 @@ TOKENS = list(range(1000, 1000 + 512))
         {"model_id": "m#2"}, {"dtype": "float16"}, {"num_layers": 31}, {"num_kv_heads": 4},
         {"head_dim": 128}, {"layout_id": "cpu_attn-vec-v1"}, {"tp_size": 2}, {"chunk_size": 256},
         {"layers_per_object": 6}, {"salt": "tenant-b"}, {"compute": "cuda"}, {"format_version": 2},
-        {"dtype": "fp8_e4m3"}, {"kv_scales": "0" * 32},
+        {"dtype": "fp8_e4m3"}, {"kv_scales": "0" * 32}, {"hash_algo": "xxh3_128"}, {"config_inputs": "0" * 64},
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -41,8 +43,47 @@ def test_every_namespace_field_separates_keys(change: dict) -> None:
 
 def test_fields_added_later_keep_the_digests_of_namespaces_without_them() -> None:
     """A namespace that does not use kv_scales (every bf16 one) has the digest it had before the field existed."""
-    assert BASE.digest == "c4c9c65dcf2ada017cd333cb08478e3d"  # af2bc07's digest of BASE
-    assert dataclasses.replace(BASE, kv_scales="").digest == BASE.digest
+    assert BASE.digest == BASE_DIGEST
+    assert dataclasses.replace(BASE, kv_scales="", config_inputs="").digest == BASE.digest
+
+
+def test_keys_are_sha256_unless_xxh3_is_asked_for() -> None:
+    """Every link of the chain (first chunk, later chunks, tails) is SHA-256 of the link before and the tokens."""
+    import hashlib
+
+    import numpy as np
+
+    from vllm_kvcodec.keys import tail_hash
+
+    hashes = chunk_hashes(BASE, TOKENS, 4)
+    assert BASE.hash_algo == "sha256" and all(len(h) == 64 for h in hashes)
+    seed = hashlib.sha256(bytes.fromhex(BASE.digest)).digest()
+    first = hashlib.sha256(seed + np.asarray(TOKENS[:128], dtype="<i8").tobytes()).hexdigest()
+    second = hashlib.sha256(bytes.fromhex(first) + np.asarray(TOKENS[128:256], dtype="<i8").tobytes()).hexdigest()
+    assert hashes[:2] == [first, second]
+    tail = hashlib.sha256(bytes.fromhex(second) + b"kvc-tail" + np.asarray(TOKENS[256:288], dtype="<i8").tobytes())
+    assert tail_hash(BASE, TOKENS, hashes[:2], 32) == tail.hexdigest()
+    fast = dataclasses.replace(BASE, hash_algo="xxh3_128")
+    assert all(len(h) == 32 for h in chunk_hashes(fast, TOKENS, 4))
+
+
+@pytest.mark.parametrize("vllm_algo,expected", [("sha256", "sha256"), ("sha256_cbor", "sha256"),
+                                                  ("xxhash", "xxh3_128"), ("xxhash_cbor", "xxh3_128")])
+def test_hash_algo_auto_follows_vllms_prefix_caching_hash_algo(vllm_algo: str, expected: str, caplog) -> None:
+    """One setting governs both caches; a non-cryptographic one warns, as vLLM does."""
+    ns = _namespace(prefix_caching_hash_algo=vllm_algo)
+    assert ns.hash_algo == expected
+    assert ("not collision resistant" in caplog.text) == (expected == "xxh3_128")
+    assert _namespace(prefix_caching_hash_algo=vllm_algo, connector={"hash_algo": "sha256"}).hash_algo == "sha256"
+
+
+def test_hf_overrides_and_effective_rope_are_in_the_namespace() -> None:
+    """A rope override changes every K computed from the same weights and tokens: never the same keys."""
+    plain = _namespace()
+    theta = _namespace(hf_overrides={"rope_parameters": {"rope_type": "default", "rope_theta": 20000.0}})
+    assert plain.config_inputs and theta.config_inputs != plain.config_inputs and theta.digest != plain.digest
+    assert _namespace(hf_overrides={"rms_norm_eps": 1e-6}).digest != plain.digest
+    assert _namespace().digest == plain.digest  # stable
 
 
 def test_fp8_scales_separate_keys() -> None:
@@ -62,7 +103,7 @@ def test_fp8_scales_separate_keys() -> None:
 
 @pytest.mark.parametrize(
     "identity",
-    [PromptIdentity(salt="alice"), PromptIdentity(lora="sql-adapter"), PromptIdentity(salt="alice", lora="x")],
+    [PromptIdentity(salt="alice"), PromptIdentity(lora='{"name": "sql"}'), PromptIdentity(salt="alice", lora="x")],
     ids=["cache_salt", "lora", "both"],
 )
 def test_request_context_separates_every_chunk(identity: PromptIdentity) -> None:
@@ -113,8 +154,7 @@ def test_weights_fingerprint_follows_content_not_path(tmp_path: Path) -> None:
     weights = next(copy.glob("*.safetensors"))
     data = np.fromfile(weights, dtype=np.uint8)
     data[len(data) // 2 :] ^= 0x01  # a "fine-tune": the second half of the weights differs
-    data.tofile(weights)
-    weights_fingerprint.cache_clear()
+    data.tofile(weights)  # rewritten in place: read again (its size or modification time changed), not remembered
     assert weights_fingerprint(str(copy)) != weights_fingerprint(str(src))
     assert model_identity("org/model", "abc123", None) != model_identity("org/model", "def456", None)
     assert model_identity("org/model", "abc123", None) != model_identity("org/model", "abc123", "awq")
@@ -171,3 +211,48 @@ def test_cache_salt_tenants_never_share_chunks(tmp_path: Path) -> None:
         conn = worker_connector()
         assert greedy(llm, ids, cache_salt="alice") == alice_cached
         assert conn.stats()["loaded_tokens"] == 512  # alice's own chunks do come back
+
+
+def _adapter(folder: Path, fill: int) -> Path:
+    """A LoRA adapter folder as PEFT writes one (config and weights); only its bytes matter to the identity."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}')
+    (folder / "adapter_model.safetensors").write_bytes(bytes([fill]) * 4096)
+    return folder
+
+
+def test_lora_adapters_of_one_name_from_two_paths_never_share(tmp_path: Path) -> None:
+    """vLLM keys its own cache by adapter name and path; a shared store also meets one name and path holding other
+    weights (another version deployed there, an adapter reloaded in place): keyed by its files too."""
+    from vllm.lora.request import LoRARequest
+
+    from vllm_kvcodec.identity import lora_identity
+
+    p1, p2 = _adapter(tmp_path / "v1", 1), _adapter(tmp_path / "v2", 1)
+    a1, a2 = LoRARequest("a", 1, str(p1)), LoRARequest("a", 1, str(p2))
+    keys = {name: chunk_hashes(BASE, TOKENS, 4, PromptIdentity(lora=lora_identity(r)))
+            for name, r in {"p1": a1, "p2": a2, "p1 again": LoRARequest("a", 7, str(p1))}.items()}
+    assert set(keys["p1"]).isdisjoint(keys["p2"])  # same name, same weights, other path: vLLM's rule
+    assert keys["p1 again"] == keys["p1"]  # the int id is vLLM's handle, not the adapter
+    assert set(keys["p1"]).isdisjoint(chunk_hashes(BASE, TOKENS, 4))  # never the base model's
+    before = lora_identity(a1)
+    _adapter(p1, 2)  # new weights written over the same path
+    assert lora_identity(a1) != before
+    assert lora_identity(LoRARequest("a", 1, str(tmp_path / "not-here"))) != lora_identity(LoRARequest("a", 1, "elsewhere"))
+
+
+def test_a_vllm_request_with_a_lora_adapter_is_keyed_by_its_path(tmp_path: Path) -> None:
+    """prompt_identity reads vLLM's own Request: two adapters named alike are two identities."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.request import Request
+
+    from vllm_kvcodec.identity import prompt_identity
+
+    def request(lora: LoRARequest | None) -> Request:
+        return Request("r", TOKENS, SamplingParams(max_tokens=1), None, 0, lora_request=lora)
+
+    one = prompt_identity(request(LoRARequest("a", 1, str(_adapter(tmp_path / "one", 1)))))
+    two = prompt_identity(request(LoRARequest("a", 1, str(_adapter(tmp_path / "two", 1)))))
+    assert one is not None and two is not None and one.seed() != two.seed()
+    assert prompt_identity(request(None)) == PLAIN

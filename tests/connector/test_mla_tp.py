@@ -56,8 +56,10 @@ def test_replication_is_in_the_digest_and_tp1_namespaces_keep_theirs() -> None:
     sharded = dataclasses.replace(LATENT, kv_replicated=False)
     assert sharded.digest != LATENT.digest
     assert set(chunk_hashes(sharded, TOKENS, 2)).isdisjoint(chunk_hashes(LATENT, TOKENS, 2))
+    from tests.connector.test_isolation import BASE_DIGEST
+
     base = Namespace("m#1", "bfloat16", 30, 3, 64, "canonical-v1", 1, 128, 5)
-    assert base.digest == "c4c9c65dcf2ada017cd333cb08478e3d"  # af2bc07's digest (tests/connector/test_isolation.py)
+    assert base.digest == BASE_DIGEST
 
 
 # ---- the scheduler half's lookup, from real vLLM configs -------------------------------------------------------

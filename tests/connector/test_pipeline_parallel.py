@@ -43,8 +43,10 @@ def test_each_stage_writes_its_own_groups_and_only_the_first_stage_writes_refs()
 def test_stages_are_in_the_digest_and_one_stage_keeps_its_digest() -> None:
     one = dataclasses.replace(FIVE, pp_layers="")
     assert one.digest != FIVE.digest != dataclasses.replace(FIVE, pp_layers="2,3").digest
+    from tests.connector.test_isolation import BASE_DIGEST
+
     base = Namespace("m#1", "bfloat16", 30, 3, 64, "canonical-v1", 1, 128, 5)
-    assert base.digest == "c4c9c65dcf2ada017cd333cb08478e3d"  # af2bc07's digest (tests/connector/test_isolation.py)
+    assert base.digest == BASE_DIGEST
 
 
 def test_stages_must_add_up_to_the_layers() -> None:

@@ -33,7 +33,8 @@ from vllm_kvcodec.connector.cache_groups import FULL, CacheGroups, cache_groups_
 from vllm_kvcodec.connector.cache_identity import cache_dtype_name, check_uniform_cache_dtype, is_fp8
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
-from vllm_kvcodec.identity import compute_identity, model_identity
+from vllm_kvcodec import key_hash
+from vllm_kvcodec.identity import compute_identity, config_inputs, model_identity
 from vllm_kvcodec.keys import Namespace, stored_ranks
 from vllm_kvcodec.connector.kv_events import store_events_for
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
@@ -296,6 +297,8 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig, cache_gr
         attention=attention,
         kv_replicated=_replicated(model, parallel),
         pp_layers=",".join(map(str, stages)) if len(stages) > 1 else "",
+        hash_algo=key_hash.resolve(config.hash_algo, getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None)),
+        config_inputs=config_inputs(vllm_config),
     )
 
 
