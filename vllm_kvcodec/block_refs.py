@@ -14,10 +14,16 @@ after its chain position (``tail_hash`` of the first ``j`` blocks: the key a
 prompt sharing exactly those blocks computes), naming the object and how
 many tokens it holds. A lookup reads the refs of its candidate prefixes
 (longest first) and loads the first ``j`` blocks of the object a ref names.
-Refs are tiny (about 45 bytes), written once, after the object landed, by
+Refs are tiny (about 150 bytes), written once, after the object landed, by
 one rank; any object whose first ``j`` blocks are those tokens is a right
 answer, so concurrent writers never conflict. A ref whose object is gone is
-a miss (the lookup checks the object), never a load of missing KV.
+a miss (the lookup checks the object), never a load of missing KV; if the
+tail stored under the ref's own prefix is still there, that tail is loaded.
+
+A ref is bound to its key: its value names the prefix it is stored under
+(and that prefix's length), so a value returned for another key is no ref.
+What it leads to is checked again where it matters, at the load: the object
+must record the prompt's own tokens (:mod:`~vllm_kvcodec.token_digests`).
 
 A tail object's own length gets a ref too (pointing at itself), so one read
 of refs answers every candidate; a full chunk is found by its chunk hash.
@@ -32,16 +38,19 @@ from collections.abc import Sequence
 from vllm_kvcodec.identity import PLAIN, PromptIdentity
 from vllm_kvcodec.keys import KEY_PREFIX, Namespace, tail_hash
 
-_MAGIC = b"kvcref1 "
-_HASH = re.compile(rb"[0-9a-f]{32}")
+_MAGIC = b"kvcref2 "
+_HASH = re.compile(rb"[0-9a-f]{32}|[0-9a-f]{64}")  # an XXH3-128 or a SHA-256 key (key_hash.py)
+_MAX_REF_BYTES = 192
 
 
 @dataclasses.dataclass(frozen=True)
 class Ref:
-    """What a ref names: the object ``chunk_hash`` holding ``object_tokens`` tokens from the same chain position."""
+    """What a ref names: the object ``chunk_hash`` holding ``object_tokens`` tokens from the same chain position;
+    the ref itself stands for the first ``prefix_tokens`` of them (0: not known, a ref being written)."""
 
     chunk_hash: str
     object_tokens: int
+    prefix_tokens: int = 0
 
 
 def ref_key(namespace: Namespace, prefix_hash: str) -> str:
@@ -54,31 +63,37 @@ def is_ref_key(key: str) -> bool:
     return key.startswith(f"{KEY_PREFIX}/") and key.endswith("/ref")
 
 
-def encode_ref(ref: Ref) -> bytes:
-    return _MAGIC + ref.chunk_hash.encode() + b" " + str(ref.object_tokens).encode()
+def encode_ref(prefix_hash: str, prefix_tokens: int, ref: Ref) -> bytes:
+    """The value of the ref stored under ``prefix_hash`` (the first ``prefix_tokens`` of ``ref``'s object)."""
+    return b" ".join((_MAGIC.rstrip(), prefix_hash.encode(), str(prefix_tokens).encode(), ref.chunk_hash.encode(),
+                      str(ref.object_tokens).encode()))
 
 
-def parse_ref(blob: bytes | None, chunk_size: int, prefix_tokens: int) -> Ref | None:
-    """The ref in ``blob``, or None when it is absent or is not a ref of at least ``prefix_tokens`` tokens.
+def parse_ref(blob: bytes | None, prefix_hash: str, chunk_size: int) -> Ref | None:
+    """The ref in ``blob`` read from under ``prefix_hash``, or None when it is absent, malformed or bound to
+    another key.
 
-    Untrusted bytes: anything but the exact format (a 128-bit hex hash and a
-    token count between the prefix's and a chunk's) is no ref at all.
+    Untrusted bytes: anything but the exact format (the key's own prefix hash,
+    a token count for it, a hex hash, and an object's token count between the
+    prefix's and a chunk's) is no ref at all.
     """
-    if blob is None or len(blob) > 64 or not blob.startswith(_MAGIC):
+    if blob is None or len(blob) > _MAX_REF_BYTES or not blob.startswith(_MAGIC):
         return None
     parts = blob[len(_MAGIC):].split(b" ")
-    if len(parts) != 2 or not _HASH.fullmatch(parts[0]) or not parts[1].isdigit() or len(parts[1]) > 6:
+    if len(parts) != 4 or parts[0] != prefix_hash.encode() or not _HASH.fullmatch(parts[2]):
         return None
-    tokens = int(parts[1])
-    if not prefix_tokens <= tokens <= chunk_size:
+    if not all(p.isdigit() and len(p) <= 6 for p in (parts[1], parts[3])):
         return None
-    return Ref(parts[0].decode(), tokens)
+    prefix_tokens, tokens = int(parts[1]), int(parts[3])
+    if not 0 < prefix_tokens <= tokens <= chunk_size:
+        return None
+    return Ref(parts[2].decode(), tokens, prefix_tokens)
 
 
 def prefix_hashes(namespace: Namespace, token_ids: Sequence[int], hashes: Sequence[str], object_tokens: int,
-                  align: int, identity: PromptIdentity = PLAIN) -> list[str]:
-    """The refs an object of ``object_tokens`` tokens after the full chunks ``hashes`` gets: one per whole
-    ``align``-token prefix, up to but not including a full chunk (found by its chunk hash), so a tail's own
-    length is included."""
+                  align: int, identity: PromptIdentity = PLAIN) -> list[tuple[str, int]]:
+    """The refs an object of ``object_tokens`` tokens after the full chunks ``hashes`` gets, as (prefix hash,
+    prefix tokens): one per whole ``align``-token prefix, up to but not including a full chunk (found by its chunk
+    hash), so a tail's own length is included."""
     last = min(object_tokens, namespace.chunk_size - 1)
-    return [tail_hash(namespace, token_ids, hashes, t, identity) for t in range(align, last + 1, align)]
+    return [(tail_hash(namespace, token_ids, hashes, t, identity), t) for t in range(align, last + 1, align)]

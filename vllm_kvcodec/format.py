@@ -6,7 +6,11 @@ trailer is an XXH3-64 over everything before it. A chunk may be bound to the
 store key it was written under (flag ``KEY_BOUND``: an XXH3-64 digest of the
 key in the header), so a reader that knows which key it asked for can tell a
 swapped or misplaced object, which a checksum alone cannot: it is intact, just
-not the chunk that was asked for. Decoding validates each field
+not the chunk that was asked for. A chunk may also record the token ids it
+was computed from (flag ``TOKEN_DIGESTS``: a chained digest per few tokens,
+see :mod:`vllm_kvcodec.token_digests`), so a reader can check that an object
+holds *its prompt's* KV before a byte reaches paged memory, whatever key or
+ref led to it. Decoding validates each field
 and size before it allocates, and raises :class:`ChunkFormatError` (or a
 subclass) on anything it cannot vouch for, so it never returns wrong data.
 """
@@ -44,14 +48,44 @@ _CHECKSUM = struct.Struct("<Q")
 _KEY_DIGEST = struct.Struct("<Q")
 #: Header flag: the key digest (XXH3-64 of the store key's ASCII bytes) follows the shape.
 KEY_BOUND = 0x1
-_KNOWN_FLAGS = KEY_BOUND
+#: Header flag: token digests follow the key digest: tokens per digest and count (u16 each), then the digests.
+TOKEN_DIGESTS = 0x2
+_KNOWN_FLAGS = KEY_BOUND | TOKEN_DIGESTS
+_DIGESTS_HEAD = struct.Struct("<HH")
+#: Bytes of each token digest (a truncated SHA-256 or XXH3-128, see token_digests.py).
+TOKEN_DIGEST_BYTES = 16
+#: Token digests one header may hold: 16 KiB of them, a 16k-token object at 16 tokens per digest.
+MAX_TOKEN_DIGESTS = 1024
 MIN_CHUNK_BYTES = _FIXED.size + _CHECKSUM.size
-#: The fixed part of every chunk header: enough to learn the whole header's length (:func:`header_length`).
+#: The fixed part of every chunk header (:func:`header_length` needs it, and the token digests' count if flagged).
 FIXED_HEADER_BYTES = _FIXED.size
-#: The longest header this format allows: the fixed part, MAX_NDIM dimensions, a key digest, the largest codec config.
-MAX_HEADER_BYTES = _FIXED.size + 4 * MAX_NDIM + _KEY_DIGEST.size + MAX_CONFIG_BYTES
+#: The longest header this format allows: the fixed part, MAX_NDIM dimensions, a key digest, the most token
+#: digests, the largest codec config.
+MAX_HEADER_BYTES = (_FIXED.size + 4 * MAX_NDIM + _KEY_DIGEST.size + _DIGESTS_HEAD.size
+                    + MAX_TOKEN_DIGESTS * TOKEN_DIGEST_BYTES + MAX_CONFIG_BYTES)
 #: The trailer: XXH3-64 (seed 0) of every byte before it.
 CHECKSUM_BYTES = _CHECKSUM.size
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenDigests:
+    """One digest of ``TOKEN_DIGEST_BYTES`` per ``unit`` tokens of an object, in token order."""
+
+    unit: int
+    digests: bytes
+
+    def __post_init__(self) -> None:
+        count, rest = divmod(len(self.digests), TOKEN_DIGEST_BYTES)
+        if rest or not 1 <= count <= MAX_TOKEN_DIGESTS or not 1 <= self.unit <= 0xFFFF:
+            raise ChunkFormatError(f"token digests of {len(self.digests)} bytes at {self.unit} tokens each are not "
+                                   f"1 to {MAX_TOKEN_DIGESTS} digests of {TOKEN_DIGEST_BYTES} bytes")
+
+    @property
+    def count(self) -> int:
+        return len(self.digests) // TOKEN_DIGEST_BYTES
+
+    def pack(self) -> bytes:
+        return _DIGESTS_HEAD.pack(self.unit, self.count) + self.digests
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +99,7 @@ class ChunkHeader:
     payload_offset: int
     payload_length: int
     key_digest: int | None = None  # XXH3-64 of the key the chunk is bound to, None if unbound
+    tokens: TokenDigests | None = None  # what the chunk records of its token ids, None if nothing
 
     @property
     def codec_id(self) -> str:
@@ -81,34 +116,36 @@ def key_digest(key: str) -> int:
 
 
 def encode_chunk(
-    kv: torch.Tensor, codec: str | dict[str, Any] | Codec | None = None, *, key: str | None = None, **params: Any
+    kv: torch.Tensor, codec: str | dict[str, Any] | Codec | None = None, *, key: str | None = None,
+    tokens: TokenDigests | None = None, **params: Any
 ) -> bytes:
     """Encode one KV chunk (any shape, bf16/fp16/fp32) into a self-describing blob.
 
     ``codec=None`` picks the codec policy's default for the tensor's dtype (:mod:`.codecs.policy`). ``key``
     binds the chunk to the store key it will be written under (see
-    :func:`read_header`).
+    :func:`read_header`); ``tokens`` records the token ids it was computed from.
     """
     bits, dtype = tensor_to_bits(kv)
     coder = policy.lossless_codec(get_codec(codec if codec is not None else policy.default_codec_for(dtype), **params))
     coder.check_dtype(dtype)
     _check_shape(tuple(bits.shape))
-    return build_chunk(coder.encode(bits, dtype), dtype, tuple(bits.shape), coder.get_config(), key=key)
+    return build_chunk(coder.encode(bits, dtype), dtype, tuple(bits.shape), coder.get_config(), key=key, tokens=tokens)
 
 
 def build_chunk(
     payload: bytes | memoryview, dtype: DType, shape: tuple[int, ...], codec_config: dict[str, Any],
-    *, key: str | None = None,
+    *, key: str | None = None, tokens: TokenDigests | None = None,
 ) -> bytes:
     """Wrap a codec payload made elsewhere (a GPU encoder, say) in header and checksum."""
     _check_shape(shape)
     config = _dump_config(codec_config)
     payload = memoryview(payload).cast("B")
-    flags = KEY_BOUND if key is not None else 0
+    flags = (KEY_BOUND if key is not None else 0) | (TOKEN_DIGESTS if tokens is not None else 0)
     head = b"".join((
         _FIXED.pack(MAGIC, VERSION, int(dtype), len(shape), len(config), flags, len(payload)),
         struct.pack(f"<{len(shape)}I", *shape),
         _KEY_DIGEST.pack(key_digest(key)) if key is not None else b"",
+        tokens.pack() if tokens is not None else b"",
         config,
     ))
     digest = xxhash.xxh3_64(head)
@@ -132,14 +169,18 @@ def read_header(blob: bytes | bytearray | memoryview, verify: bool = True, key: 
 
 
 def header_length(head: bytes | bytearray | memoryview) -> int:
-    """How many bytes precede the payload, from a chunk's first :data:`FIXED_HEADER_BYTES` (validated, bounded).
+    """How many bytes precede the payload, from a chunk's first bytes (validated, bounded).
 
-    For readers that fetch a chunk in parts (:mod:`storage.ranged`): read this
-    many bytes, :func:`parse_header` them, then decide where the payload goes.
+    For readers that fetch a chunk in parts (:mod:`storage.ranged`): read
+    :data:`MAX_HEADER_BYTES` (or the whole chunk, if shorter), then this many
+    bytes are the header: :func:`parse_header` them, then decide where the
+    payload goes. The fixed part is enough unless the chunk has token digests,
+    whose count follows the shape and key digest.
     """
-    _, _, _, ndim, config_len, flags, _ = _fixed_fields(memoryview(head).cast("B"))
+    buf = memoryview(head).cast("B")
+    _, _, _, ndim, config_len, flags, _ = _fixed_fields(buf)
     _check_header_fields(ndim, config_len, flags)
-    return _FIXED.size + 4 * ndim + (_KEY_DIGEST.size if flags & KEY_BOUND else 0) + config_len
+    return _sections(buf, ndim, flags)[2] + config_len
 
 
 def parse_header(head: bytes | bytearray | memoryview, total: int, key: str | None = None) -> ChunkHeader:
@@ -156,8 +197,7 @@ def parse_header(head: bytes | bytearray | memoryview, total: int, key: str | No
     _check_header_fields(ndim, config_len, flags)
     dtype = DType.from_wire(dtype_code)
     shape_at = _FIXED.size
-    digest_at = shape_at + 4 * ndim
-    config_at = digest_at + (_KEY_DIGEST.size if flags & KEY_BOUND else 0)
+    digest_at, tokens, config_at = _sections(buf, ndim, flags)
     payload_at = config_at + config_len
     if payload_at + payload_len + _CHECKSUM.size != total:
         raise ChunkFormatError(
@@ -171,7 +211,25 @@ def parse_header(head: bytes | bytearray | memoryview, total: int, key: str | No
     if key is not None:
         _check_binding(bound, key)
     config = _load_config(buf[config_at:payload_at])
-    return ChunkHeader(VERSION, dtype, shape, config, payload_at, payload_len, bound)
+    return ChunkHeader(VERSION, dtype, shape, config, payload_at, payload_len, bound, tokens)
+
+
+def _sections(buf: memoryview, ndim: int, flags: int) -> tuple[int, TokenDigests | None, int]:
+    """Where the key digest starts, the token digests (validated), and where the codec config starts."""
+    digest_at = _FIXED.size + 4 * ndim
+    tokens_at = digest_at + (_KEY_DIGEST.size if flags & KEY_BOUND else 0)
+    if not flags & TOKEN_DIGESTS:
+        return digest_at, None, tokens_at
+    if len(buf) < tokens_at + _DIGESTS_HEAD.size:
+        raise ChunkFormatError(f"header of at least {tokens_at + _DIGESTS_HEAD.size} bytes, only {len(buf)} given")
+    unit, count = _DIGESTS_HEAD.unpack_from(buf, tokens_at)
+    if not 1 <= count <= MAX_TOKEN_DIGESTS:
+        raise ChunkFormatError(f"{count} token digests, not 1 to {MAX_TOKEN_DIGESTS}")
+    at = tokens_at + _DIGESTS_HEAD.size
+    end = at + count * TOKEN_DIGEST_BYTES
+    if len(buf) < end:
+        raise ChunkFormatError(f"header of at least {end} bytes, only {len(buf)} given")
+    return digest_at, TokenDigests(unit, bytes(buf[at:end])), end
 
 
 def _fixed_fields(buf: memoryview) -> tuple[Any, ...]:
@@ -290,7 +348,7 @@ def _load_config(raw: memoryview) -> dict[str, Any]:
 
 
 __all__ = [
-    "ChunkFormatError", "ChunkHeader", "KEY_BOUND", "KVCodecError", "MAGIC", "VERSION",
+    "ChunkFormatError", "ChunkHeader", "KEY_BOUND", "KVCodecError", "MAGIC", "TOKEN_DIGESTS", "TokenDigests", "VERSION",
     "build_chunk", "decode_chunk", "decode_payload", "encode_chunk", "header_length", "key_digest", "parse_header",
     "read_header", "verify_checksum",
 ]

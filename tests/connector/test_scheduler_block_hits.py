@@ -98,7 +98,7 @@ def test_every_stored_object_gets_a_ref_per_whole_block_prefix(tmp_path, store) 
     stats = e.stats()
     assert stats["saved_chunks"] == 5
     assert stats["saved_refs"] == 4 * (CHUNK // BLOCK - 1) + 2
-    assert 0 < stats["saved_ref_bytes"] <= 64 * stats["saved_refs"]
+    assert 0 < stats["saved_ref_bytes"] <= 150 * stats["saved_refs"]  # bound to their SHA-256 keys: about 143 bytes
 
 
 @pytest.mark.parametrize("load_mode", ["sync", "async"])

@@ -94,7 +94,7 @@ def test_wrong_version_and_magic_are_named(small_kv) -> None:
         (7, b"\x00", "ndim"),
         (7, b"\x09", "ndim"),
         (8, struct.pack("<H", 5000), "config"),
-        (10, struct.pack("<H", 2), "flags"),
+        (10, struct.pack("<H", 0x80), "flags"),
         (12, struct.pack("<Q", 1 << 40), "sizes disagree"),
         (20, struct.pack("<I", 0), "empty"),
         (20, struct.pack("<I", 0xFFFFFFFF), "exceeds"),

@@ -34,6 +34,13 @@ groups' layers aliasing one tensor. A window layer's attention reads only its
 window, so the context check reads only that, and finds a load that left a
 window block unwritten, or a save that named a freed block.
 
+Multimodal items (``mm``: offset, length, content hash) make the fake model
+multimodal: a placeholder position's KV follows the item's content, not its
+placeholder token, so KV computed for another image with the same
+placeholders is wrong KV here too. Streaming-input sessions (vLLM's resumable
+requests) grow turn by turn through :meth:`Engine.add` and
+:meth:`Engine.update_session`.
+
 fp8 caches (``cache_dtype="fp8_e4m3"``/``"fp8_e5m2"``): uint8 caches, KV bytes
 that vLLM's op writes unchanged. Where this vLLM build has no fp8 kernel (AVX2
 builds), or none for the harness's block size (16-token blocks: vLLM picks
@@ -54,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import os
@@ -310,16 +318,42 @@ class Engine:
     def connector(self) -> Any:
         return self.scheduler.connector
 
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 4) -> Any:
-        from vllm import SamplingParams
-        from vllm.v1.request import Request
-
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        request = Request(req_id, list(tokens), params, None, block_hasher=self.block_hasher)
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 4, mm: Iterable[tuple[int, int, str]] = (),
+            resumable: bool = False) -> Any:
+        """A new request; ``mm``: its media items (offset, length, content hash); ``resumable``: a streaming-input
+        session, which waits for its next update when a turn ends (:meth:`update_session`)."""
+        request = self._request(req_id, tokens, max_tokens, mm, resumable)
         self.scheduler.add_request(request)
         self.requests[req_id] = request
         self._arrived.add(req_id)
         return request
+
+    def update_session(self, req_id: str, tokens: list[int], max_tokens: int = 4,
+                       mm: Iterable[tuple[int, int, str]] = ()) -> None:
+        """The next turn of a streaming-input session: ``tokens`` (and items at offsets within them) appended to the
+        same request, as vLLM's ``_update_request_as_session`` does; ``tokens=None`` ends the session."""
+        self.scheduler.add_request(self._request(req_id, tokens, max_tokens, mm, resumable=tokens is not None))
+        self._arrived.add(req_id)
+
+    def waits_for_input(self, req_id: str) -> bool:
+        from vllm.v1.request import RequestStatus
+
+        return self.requests[req_id].status == RequestStatus.WAITING_FOR_STREAMING_REQ
+
+    def _request(self, req_id: str, tokens: list[int] | None, max_tokens: int, mm: Iterable[tuple[int, int, str]],
+                 resumable: bool) -> Any:
+        from vllm import SamplingParams
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        # No embeddings to compute (is_embed all false): vLLM's scheduler needs no encoder for them, the keys and
+        # vLLM's own block hashes still carry each item's content hash.
+        features = [MultiModalFeatureSpec(None, "image", ident, PlaceholderRange(offset, length,
+                                                                                   torch.zeros(length, dtype=torch.bool)))
+                    for offset, length, ident in mm] or None
+        return Request(req_id, list(tokens or []), params, None, block_hasher=self.block_hasher, mm_features=features,
+                       resumable=resumable)
 
     def abort(self, *req_ids: str) -> None:
         from vllm.v1.request import RequestStatus
@@ -513,9 +547,15 @@ class Engine:
         return f"wrong KV at position {bad} of {start} (layer {name}, block {table[bad // self.block_size]})"
 
     def _tokens(self, req_id: str, upto: int) -> list[int]:
-        """The request's tokens, plus those its sampler will produce (pipelined steps run ahead of the output)."""
+        """What the fake model computes on: the request's tokens, each media item's placeholders standing for its
+        content, plus the tokens its sampler will produce (pipelined steps run ahead of the output)."""
         request = self.requests[req_id]
         tokens = list(request.all_token_ids)
+        for f in request.mm_features or ():
+            for i in range(f.mm_position.length):
+                if f.mm_position.offset + i < len(tokens):
+                    tokens[f.mm_position.offset + i] = VOCAB + int.from_bytes(
+                        hashlib.sha256(f"{f.identifier}:{i}".encode()).digest()[:4], "little")
         while len(tokens) < min(upto, request.num_prompt_tokens + request.max_tokens):
             tokens.append(next_token(tokens))
         return tokens
@@ -535,6 +575,7 @@ class Engine:
 
     # ---- checks ---------------------------------------------------------------------
     def _check_plans(self, out: Any, meta: Any, tables: dict[str, list[list[int]]], computed: dict[str, int]) -> None:
+        from vllm_kvcodec.identity import prompt_identity
         from vllm_kvcodec.keys import chunk_hashes
 
         ns = self.connector.scheduler.namespace
@@ -542,16 +583,19 @@ class Engine:
         for spec in meta.loads:
             groups = tables.get(spec.req_id) or self.block_tables(spec.req_id)
             tokens = self.requests[spec.req_id].all_token_ids
-            hashes = chunk_hashes(ns, tokens, len(tokens) // cs)
+            identity = prompt_identity(self.requests[spec.req_id])  # what the request holds now (media included)
+            hashes = chunk_hashes(ns, tokens, len(tokens) // cs, identity)
             for chunk in spec.chunks:
                 size = chunk.object_tokens or cs
-                c = _chunk_index(ns, tokens, hashes, chunk.chunk_hash, size)
+                c = _chunk_index(ns, tokens, hashes, chunk.chunk_hash, size, identity)
                 if c < 0:  # another prompt's object, named by a block ref of this prompt's: only the shared blocks
                     c, size = _ref_index(self.connector.scheduler.store, ns, tokens, hashes, chunk.chunk_hash,
-                                         self.connector.scheduler.cache_groups.hit_alignment)
+                                         self.connector.scheduler.cache_groups.hit_alignment, identity)
                 if c < 0:
                     raise Violation(f"load of {spec.req_id} names chunk {chunk.chunk_hash[:8]} not of its prompt")
                 self._check_load_spans(spec.req_id, c, chunk.spans, groups, len(tokens), size)
+                end = max(s.first_token + len(s.slots) for s in chunk.spans)
+                self._check_digests(f"load of {spec.req_id} chunk {c}", chunk.expect, tokens, hashes, c, end, identity)
         for spec in meta.saves:
             tokens = self.requests[spec.req_id].all_token_ids
             if spec.req_id in out.num_scheduled_tokens:
@@ -561,13 +605,30 @@ class Engine:
             else:
                 raise Violation(f"save of {spec.req_id}, neither scheduled nor finishing")
             size = len(spec.group_slots[0])
-            c = _chunk_index(ns, tokens, chunk_hashes(ns, tokens, len(tokens) // cs), spec.chunk_hash, size)
+            identity = prompt_identity(self.requests[spec.req_id])
+            hashes = chunk_hashes(ns, tokens, len(tokens) // cs, identity)
+            c = _chunk_index(ns, tokens, hashes, spec.chunk_hash, size, identity)
             if c < 0 or c * cs + size > done:
-                raise Violation(f"save of {spec.req_id} names chunk {spec.chunk_hash[:8]}, not complete after this step")
+                raise Violation(f"save of {spec.req_id} names chunk {spec.chunk_hash[:8]}, not complete after this "
+                                "step (or not keyed by what the request holds: its tokens and media)")
+            self._check_digests(f"save of {spec.req_id} chunk {c}", spec.digests, tokens, hashes, c, size, identity)
             table_of = tables.get(spec.req_id) or self.block_tables(spec.req_id)
             for g, (table, slots) in enumerate(zip(table_of, spec.group_slots, strict=True)):
                 if slots != self._slots(table, c * cs, c * cs + size, f"save of {spec.req_id} chunk {c} group {g}"):
                     raise Violation(f"save of {spec.req_id} chunk {c} group {g}: slots disagree with its block table")
+
+    def _check_digests(self, where: str, digests: Any, tokens: list[int], hashes: list[str], c: int, end: int,
+                       identity: Any) -> None:
+        """A plan's token digests: exactly this prompt's, for every token up to ``end`` in chunk ``c`` (what a load
+        compares the object's header with, what a save records in it)."""
+        from vllm_kvcodec.token_digests import token_digests
+
+        scheduler = self.connector.scheduler
+        unit = scheduler.digest_unit
+        if digests is None or digests.unit != unit or digests.count * unit < end:
+            raise Violation(f"{where}: its token digests do not cover its {end} tokens")
+        if digests != token_digests(scheduler.namespace, tokens, hashes[:c], digests.count * unit, unit, identity):
+            raise Violation(f"{where}: its token digests are not its prompt's")
 
     def _check_load_spans(self, req_id: str, c: int, spans: list[Any], groups: list[list[int]], num_tokens: int,
                           size: int) -> None:
@@ -633,7 +694,7 @@ class Engine:
         self.connector.shutdown()
 
 
-def _chunk_index(ns: Any, tokens: list[int], hashes: list[str], chunk_hash: str, size: int) -> int:
+def _chunk_index(ns: Any, tokens: list[int], hashes: list[str], chunk_hash: str, size: int, identity: Any) -> int:
     """Which chunk of ``tokens`` ``chunk_hash`` names: a full chunk (``size`` = chunk size), or the prompt tail
     of ``size`` tokens after that many full chunks (``prompt_tails``); -1 if neither."""
     from vllm_kvcodec.keys import tail_hash
@@ -641,13 +702,13 @@ def _chunk_index(ns: Any, tokens: list[int], hashes: list[str], chunk_hash: str,
     if size == ns.chunk_size:
         return hashes.index(chunk_hash) if chunk_hash in hashes else -1
     for c in range(len(tokens) // ns.chunk_size + 1):
-        if c * ns.chunk_size + size <= len(tokens) and tail_hash(ns, tokens, hashes[:c], size) == chunk_hash:
+        if c * ns.chunk_size + size <= len(tokens) and tail_hash(ns, tokens, hashes[:c], size, identity) == chunk_hash:
             return c
     return -1
 
 
 def _ref_index(store: Any, ns: Any, tokens: list[int], hashes: list[str], chunk_hash: str,
-               align: int) -> tuple[int, int]:
+               align: int, identity: Any) -> tuple[int, int]:
     """(chunk, tokens) of this prompt's longest whole-block prefix whose stored ref names ``chunk_hash``
     (``block_hits``); (-1, 0) if none does: the load would write another prompt's KV."""
     from vllm_kvcodec.block_refs import parse_ref, ref_key
@@ -656,8 +717,9 @@ def _ref_index(store: Any, ns: Any, tokens: list[int], hashes: list[str], chunk_
     cs = ns.chunk_size
     for c in range(min(len(hashes), len(tokens) // cs) + 1):
         for t in range(min(cs - 1, len(tokens) - c * cs) // align * align, 0, -align):
-            ref = parse_ref(store.get(ref_key(ns, tail_hash(ns, tokens, hashes[:c], t))), cs, t)
-            if ref is not None and ref.chunk_hash == chunk_hash:
+            prefix = tail_hash(ns, tokens, hashes[:c], t, identity)
+            ref = parse_ref(store.get(ref_key(ns, prefix)), prefix, cs)
+            if ref is not None and ref.chunk_hash == chunk_hash and ref.prefix_tokens == t:
                 return c, t
     return -1, 0
 

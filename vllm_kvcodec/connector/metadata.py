@@ -15,6 +15,7 @@ import dataclasses
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from vllm_kvcodec.format import TokenDigests
 from vllm_kvcodec.outcomes import LoadOutcome, SaveOutcome
 from vllm_kvcodec.spans import Span, one_group, one_span
 
@@ -35,13 +36,15 @@ class ChunkLoad:
     block the load writes, of all groups. A prompt tail (``prompt_tails``) is
     an object of fewer tokens than a chunk, as ``object_tokens`` says; a
     load through a block ref (:mod:`~vllm_kvcodec.block_refs`) writes only the
-    first of the object's tokens.
+    first of the object's tokens. ``expect``: the digests of this prompt's tokens the object must record
+    (:mod:`~vllm_kvcodec.token_digests`), up to the last token the load writes; checked before any write.
     """
 
     chunk_hash: str
     spans: list[Span]
     block_ids: list[int]
     object_tokens: int | None = None  # tokens the stored object holds: None for a full chunk, fewer for a tail
+    expect: TokenDigests | None = None
 
     @property
     def tokens(self) -> int:
@@ -83,7 +86,9 @@ class SaveSpec:
     chunk_hash: str
     group_slots: list[list[int]]  # the chunk's slots in each KV cache group's blocks
     failures_seen: int = 0
-    refs: list[str] = dataclasses.field(default_factory=list)  # its whole-block prefixes, whose refs rank 0 writes (block_refs.py)
+    # its whole-block prefixes (hash, tokens), whose refs rank 0 writes (block_refs.py)
+    refs: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    digests: TokenDigests | None = None  # its tokens, recorded in every object's header (token_digests.py)
 
     @property
     def slots(self) -> list[int]:

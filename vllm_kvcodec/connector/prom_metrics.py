@@ -57,8 +57,12 @@ COUNTERS: tuple[CounterSpec, ...] = (
                 {"prompt": "tail_saves_planned", "finish": "finish_tail_saves_planned"}, label="tail"),
     _plain("block_refs_read", "Block refs the lookups read from the store (block_hits: one per whole-block prefix asked "
            "about after the hit chunks).", "refs_read"),
-    _plain("block_refs_invalid", "Block refs read that did not parse (another format or damaged; a shorter hit).",
-           "refs_invalid"),
+    _plain("block_refs_invalid", "Block refs read that did not parse or were bound to another key (another format, "
+           "damaged or misrouted; a shorter hit).", "refs_invalid"),
+    _plain("session_updates", "Streaming-input sessions whose prompt or media grew under the same request: keyed anew "
+           "from the first chunk that changed.", "session_updates"),
+    _plain("block_refs_to_own_tail", "Block refs whose named object was gone while the tail stored under the ref's own "
+           "prefix was not: that tail was loaded instead.", "refs_to_own_tail"),
     _plain("saved_block_refs", "Block refs written after an object landed (block_hits; by TP rank 0 only).", "saved_refs"),
     _plain("saved_block_ref_bytes", "Bytes of those block refs (the store space block_hits costs).", "saved_ref_bytes"),
     _plain("block_ref_save_failures", "Objects whose block refs failed to save (a shorter hit later, not a failed save).",
@@ -92,7 +96,7 @@ COUNTERS: tuple[CounterSpec, ...] = (
     _plain("loaded_bytes", "Bytes read from the store (compressed).", "loaded_bytes"),
     _plain("loaded_raw_bytes", "Raw KV bytes of the objects loaded (after decompression).", "loaded_raw_bytes"),
     CounterSpec("load_failures", "Stored objects that failed to load (their blocks are recomputed), by kind.",
-                {k: f"load_failures_{k}" for k in ("missing", "corrupt", "mismatch", "store", "timeout", "other")},
+                {k: f"load_failures_{k}" for k in ("missing", "corrupt", "tokens", "mismatch", "store", "timeout", "other")},
                 label="kind"),
     _plain("load_timeouts", "Loads abandoned at load_timeout_s (their blocks are recomputed).", "load_timeouts"),
     _plain("load_waits_whole", "Steps whose prefill waited for its whole sync load before the first layer (load_wait).",

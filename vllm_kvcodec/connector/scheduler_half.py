@@ -52,6 +52,7 @@ from vllm_kvcodec.connector.cache_groups import CacheGroups
 from vllm_kvcodec.connector.cache_identity import agreed_scales, is_fp8
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
+from vllm_kvcodec.format import TokenDigests
 from vllm_kvcodec.identity import PromptIdentity, prompt_identity
 from vllm_kvcodec.keys import Namespace, chunk_object_keys, extend_chunk_hashes, tail_hash, tail_position
 from vllm_kvcodec.connector.kv_events import StoreEvents
@@ -64,6 +65,7 @@ from vllm_kvcodec.spans import Span
 from vllm_kvcodec.connector.save_claims import SaveClaims
 from vllm_kvcodec.stats import ConnectorStats
 from vllm_kvcodec.connector.store_access import open_connector_store
+from vllm_kvcodec.token_digests import digest_unit, token_digests
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -83,6 +85,11 @@ INFLIGHT_SLACK_S = 10.0
 LOOKUP_IDLE_WAIT_S = 0.01
 
 
+def _shape(request: "Request") -> tuple[int, int]:
+    """What a streaming-input update changes: the prompt's length and its media items (see _follow_session)."""
+    return request.num_prompt_tokens, len(getattr(request, "mm_features", None) or ())
+
+
 def _finished_whole() -> frozenset[Any]:
     """Request statuses whose every step ran to its end (stop or length): their KV up to the last token is written."""
     from vllm.v1.request import RequestStatus
@@ -96,6 +103,7 @@ class _Tracked:
 
     request: "Request"
     identity: PromptIdentity | None  # None: never cached (prompt embeddings)
+    shape: tuple[int, int] = (0, 0)  # (prompt tokens, media items) the identity and chain were made for
     hashes: list[str] = dataclasses.field(default_factory=list)  # chain over the full chunks so far
     hit_chunks: int = 0  # chunks found in the store at the last lookup
     looked_up: bool = False  # False: the next lookup asks the store (new, preempted, or after a failure)
@@ -126,6 +134,7 @@ class SchedulerHalf:
         self.cache_groups = cache_groups
         self.block_sizes = cache_groups.block_sizes
         self.chunk = config.chunk_size
+        self.digest_unit = digest_unit(cache_groups.hit_alignment, self.chunk)  # tokens per token digest
         self.store = open_connector_store(config)
         self.stats = ConnectorStats()
         self.ledger = LoadLedger(inflight_ttl_s=config.load_timeout_s + INFLIGHT_SLACK_S)
@@ -166,6 +175,7 @@ class SchedulerHalf:
     # ---- lookup ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         tracked = self._track(request)
+        self._follow_session(tracked)
         tracked.local_tokens = num_computed_tokens
         if tracked.identity is None or not self._identity_known():
             return 0, False
@@ -245,11 +255,45 @@ class SchedulerHalf:
             identity = prompt_identity(request)
             if identity is None:
                 self.stats.add(uncacheable_requests=1)
-            tracked = self._requests[request.request_id] = _Tracked(request, identity)
+            tracked = self._requests[request.request_id] = _Tracked(request, identity, _shape(request))
         return tracked
+
+    def _follow_session(self, tracked: _Tracked) -> None:
+        """A streaming-input session grew under the same request: key it by what it holds now.
+
+        vLLM's resumable requests (streaming input) take each update into the
+        same ``Request`` between turns, with no ``request_finished`` in between:
+        the kept output joins the prompt, the new tokens follow, and new media
+        items come with them. The identity made at the first lookup lacks
+        those items, so every chunk they touch would be keyed, saved and
+        looked up as if the image were any other image with the same
+        placeholder tokens. Whenever the prompt or its media change, the
+        identity is made anew and the key chain is cut at the first chunk
+        whose tokens may have changed (vLLM keeps only the computed ones) or
+        that a new item touches; that chunk and every later one are keyed
+        again, and the prompt's tail is planned anew for the longer prompt.
+        """
+        shape = _shape(tracked.request)
+        if shape == tracked.shape:
+            return
+        tracked.shape = shape
+        old, new = tracked.identity, prompt_identity(tracked.request)
+        tracked.identity = new
+        keep = 0
+        if old is not None and new is not None and (old.salt, old.lora) == (new.salt, new.lora):
+            added = [offset for offset, _ in set(new.media) - set(old.media)]
+            keep = min([tracked.request.num_computed_tokens // self.chunk, len(tracked.hashes)]
+                       + [offset // self.chunk for offset in added])
+        tracked.hashes = tracked.hashes[:keep]
+        tracked.next_save = min(tracked.next_save, keep)
+        tracked.tail, tracked.tail_planned, tracked.tail_save = None, False, ""
+        for chunk in [c for c in tracked.save_attempts if c >= keep or c == TAIL]:
+            del tracked.save_attempts[chunk]  # other keys now: their saves start afresh
+        self.stats.add(session_updates=1)
 
     def _hashes(self, tracked: _Tracked, num_chunks: int) -> list[str]:
         """The request's first ``num_chunks`` chunk keys, extending the chain as its tokens grow."""
+        self._follow_session(tracked)
         if len(tracked.hashes) < num_chunks and tracked.identity is not None:
             tokens = tracked.request.all_token_ids
             tracked.hashes = extend_chunk_hashes(self.namespace, tokens, tracked.hashes, num_chunks, tracked.identity)
@@ -309,17 +353,30 @@ class SchedulerHalf:
 
     def _resolve(self, prefixes: list[str]) -> list[Ref | None] | None:
         """Per whole-block prefix, its ref if one is stored and every object it names is (two store calls);
-        None when the store did not answer (counted: a miss)."""
+        None when the store did not answer (counted: a miss).
+
+        A ref whose object is gone while the tail stored under the ref's own
+        prefix (exactly its tokens) is not, leads to that tail: the same
+        existence check asks for both.
+        """
         blobs = self._ask_store(lambda: self.store.get_many([ref_key(self.namespace, h) for h in prefixes]),
                                 "reading block refs failed, computing those blocks instead")
         if blobs is None:
             return None
-        refs = [parse_ref(b, self.chunk, 1) for b in blobs]
+        refs = [parse_ref(b, h, self.chunk) for b, h in zip(blobs, prefixes)]
         self.stats.add(refs_read=sum(b is not None for b in blobs), refs_invalid=sum(
             b is not None and r is None for b, r in zip(blobs, refs)))
-        targets = list(dict.fromkeys(r.chunk_hash for r in refs if r is not None))
+        own = {h: Ref(h, r.prefix_tokens, r.prefix_tokens) for h, r in zip(prefixes, refs)
+               if r is not None and r.chunk_hash != h}
+        targets = list(dict.fromkeys([r.chunk_hash for r in refs if r is not None] + list(own)))
         held = dict(zip(targets, self._stored(targets) or [False] * len(targets))) if targets else {}
-        return [r if r is not None and held[r.chunk_hash] else None for r in refs]
+        out = []
+        for h, r in zip(prefixes, refs):
+            if r is not None and not held[r.chunk_hash] and h in own and held[h]:
+                self.stats.add(refs_to_own_tail=1)  # the object it named is gone, the tail under its prefix is not
+                r = own[h]
+            out.append(r if r is not None and held[r.chunk_hash] else None)
+        return out
 
     # ---- load planning --------------------------------------------------------------
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -353,12 +410,22 @@ class SchedulerHalf:
             blocks = sorted({s // bs for span, bs in zip(spans, self.block_sizes) for s in span.slots})
             if not blocks:  # nothing to write: a chunk left of every window group's window (all-window models)
                 continue
+            expect = self._digests(tracked, c, b - c * self.chunk)
             if tail is not None and c == tail.index:  # the load ends in the blocks found after the hit chunks
                 held = tail.stored_tokens
-                loads.append(ChunkLoad(tail.chunk_hash, spans, blocks, object_tokens=held if held < self.chunk else None))
+                loads.append(ChunkLoad(tail.chunk_hash, spans, blocks, object_tokens=held if held < self.chunk else None,
+                                       expect=expect))
             else:
-                loads.append(ChunkLoad(tracked.hashes[c], spans, blocks))
+                loads.append(ChunkLoad(tracked.hashes[c], spans, blocks, expect=expect))
         return loads
+
+    def _digests(self, tracked: _Tracked, index: int, tokens: int) -> TokenDigests:
+        """The digests of this request's first ``tokens`` of chunk ``index`` (rounded up to whole digests) that an
+        object loaded or saved there must record (see token_digests.py)."""
+        unit = self.digest_unit
+        tokens = min(-(-tokens // unit) * unit, (tracked.request.num_tokens - index * self.chunk) // unit * unit)
+        return token_digests(self.namespace, tracked.request.all_token_ids, self._hashes(tracked, index), tokens, unit,
+                             tracked.identity)
 
     @staticmethod
     def _span(table: list[int], block_size: int, a: int, b: int, chunk_start: int) -> Span:
@@ -480,12 +547,14 @@ class SchedulerHalf:
         tracked.waiting_on.add(chunk_hash)
         self._waiters.setdefault(chunk_hash, set()).add(tracked.request.request_id)
 
-    def _save_spec(self, tracked: _Tracked, chunk_hash: str, first: int, tokens: int, refs: list[str]) -> SaveSpec:
+    def _save_spec(self, tracked: _Tracked, chunk_hash: str, first: int, tokens: int,
+                   refs: list[tuple[str, int]]) -> SaveSpec:
         slots = [slots_for_tokens(table, bs, first, first + tokens).tolist() for table, bs in zip(tracked.block_ids, self.block_sizes)]
         self.events.saving(tracked.request, chunk_hash, first, tokens)
-        return SaveSpec(tracked.request.request_id, chunk_hash, slots, tracked.failures_seen, refs)
+        return SaveSpec(tracked.request.request_id, chunk_hash, slots, tracked.failures_seen, refs,
+                        self._digests(tracked, first // self.chunk, tokens))
 
-    def _refs(self, tracked: _Tracked, index: int, tokens: int) -> list[str]:
+    def _refs(self, tracked: _Tracked, index: int, tokens: int) -> list[tuple[str, int]]:
         """The whole-block prefixes of an object of ``tokens`` tokens at chunk ``index`` (block_hits; see
         block_refs.py): what a prompt sharing only those blocks looks up."""
         if not self.config.block_hits or tracked.identity is None:

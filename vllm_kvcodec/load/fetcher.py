@@ -59,6 +59,7 @@ from vllm_kvcodec.paged.base import block_runs, cache_bytes
 from vllm_kvcodec.paged.objects import CanonicalObjects, ObjectLayout, PageObjects, Target, object_layout_for
 from vllm_kvcodec.spans import Span
 from vllm_kvcodec.thread_pools import started_pool
+from vllm_kvcodec.token_digests import TokenMismatchError, check_tokens
 from vllm_kvcodec.torch_threads import one_torch_thread
 
 if TYPE_CHECKING:  # imports vLLM; the fetcher itself must not (the GPU check runs without it)
@@ -98,10 +99,13 @@ class LoadError(Exception):
 
 def failure_kind(exc: BaseException) -> str:
     """Why an object did not load, as ``vllm:kvcodec_load_failures_total``'s ``kind``: missing, corrupt
-    (header, checksum, key binding or payload), mismatch (another shape or dtype), store (the store failed),
-    timeout (the load was cancelled past its deadline) or other."""
+    (header, checksum, key binding or payload), tokens (an intact object that records other tokens than the
+    prompt's), mismatch (another shape or dtype), store (the store failed), timeout (the load was cancelled past
+    its deadline) or other."""
     if isinstance(exc, LoadError):
         return exc.kind
+    if isinstance(exc, TokenMismatchError):
+        return "tokens"
     if isinstance(exc, ChunkFormatError):
         return "corrupt"
     if isinstance(exc, StoreError):
@@ -356,7 +360,7 @@ class Fetcher:
         with value:
             head, header = read_head(value, key)
             layers = self.groups[group]
-            self._check(header, len(layers), chunk.object_tokens or self.addresses.namespace.chunk_size)
+            self._check(header, chunk, len(layers), key)
             runs = self._page_runs(layers, chunk.spans, header) if is_raw(header) else None
             if runs is None:  # compressed, or not landing whole: read it all, then decode and scatter
                 blob = value.read(0, value.size)
@@ -435,7 +439,7 @@ class Fetcher:
         t1 = time.perf_counter()
         header = read_header(blob, key=key)  # sizes, checksum and key binding: a swapped object is rejected
         layers = self.groups[group]
-        self._check(header, len(layers), chunk.object_tokens or self.addresses.namespace.chunk_size)
+        self._check(header, chunk, len(layers), key)
         if (runs := self._page_runs(layers, chunk.spans, header)) is not None:
             t2 = self._into_pages(job, blob, header, runs)
             on_device = False
@@ -473,14 +477,18 @@ class Fetcher:
         )
         self.stats.sample(decode_s=decode_s, scatter_s=scatter_s)
 
-    def _check(self, header: ChunkHeader, num_layers: int, tokens: int) -> None:
-        """The object must hold exactly one layer group of ``tokens`` of this engine's KV, before anything is decoded."""
+    def _check(self, header: ChunkHeader, chunk: ChunkLoad, num_layers: int, key: str) -> None:
+        """Before anything is decoded: the object must hold exactly one layer group of this engine's KV for the
+        chunk's tokens, and record this prompt's tokens for every token the load writes (``chunk.expect``)."""
         first = self.groups[0][0]
         a = self.layouts[first]
+        tokens = chunk.object_tokens or self.addresses.namespace.chunk_size
         expected = self.objects.object_shape(num_layers, a, self.caches[first], tokens)
         if header.shape != expected or header.dtype.torch_dtype != a.dtype:
             raise LoadError(f"stored object holds {header.shape} {header.dtype.name.lower()}, expected {expected} {a.dtype}",
                             "mismatch")
+        if chunk.expect is not None:
+            check_tokens(header.tokens, chunk.expect, key)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -71,8 +71,7 @@ class CudaSaveGather(SaveGather):
     def _to_saver(self, spec: SaveSpecLike, host: torch.Tensor, copied: torch.cuda.Event | None, nbytes: int) -> None:
         try:
             self.side.host_wait(copied)
-            self.saver.submit(spec.chunk_hash, host, spec.req_id, reserved=True, tokens=spec.tokens,
-                           refs=getattr(spec, "refs", ()))
+            self._submit(spec, host)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an engine error
             logger.warning("kvcodec: handing chunk %s to the saver failed: %s", spec.chunk_hash[:12], exc)
             self.saver.unreserve(nbytes)

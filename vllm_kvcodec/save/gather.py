@@ -51,8 +51,7 @@ class CpuSaveGather(SaveGather):
         self.objects.read(self.layouts[layer], kv_layer, slots, buf[layer])
 
     def _hand_over(self, index: int, spec: SaveSpecLike, nbytes: int) -> None:
-        self.saver.submit(spec.chunk_hash, self._buffers[index], spec.req_id, reserved=True, tokens=spec.tokens,
-                           refs=getattr(spec, "refs", ()))
+        self._submit(spec, self._buffers[index])
 
     def _finish_step(self) -> None:
         self._buffers.clear()

@@ -20,6 +20,7 @@ from vllm_kvcodec.outcomes import SaveOutcome
 from vllm_kvcodec.paged.objects import CanonicalObjects, ObjectLayout
 
 if TYPE_CHECKING:
+    from vllm_kvcodec.format import TokenDigests
     from vllm_kvcodec.paged import PagedLayout
 
 
@@ -33,7 +34,8 @@ class SaveSink(Protocol):
     def unreserve(self, nbytes: int) -> None: ...
 
     def submit(self, chunk_hash: str, kv: torch.Tensor, req_id: str = "", reserved: bool = False,
-               tokens: int | None = None, refs: Sequence[str] = ()) -> bool: ...
+               tokens: int | None = None, refs: Sequence[tuple[str, int]] = (),
+               digests: "TokenDigests | None" = None) -> bool: ...
 
 
 #: ``(req_id, chunk_hash, group_slots)`` of one chunk to save (a :class:`~vllm_kvcodec.connector.metadata.SaveSpec`).
@@ -116,6 +118,11 @@ class SaveGather(abc.ABC):
 
     @abc.abstractmethod
     def _hand_over(self, index: int, spec: SaveSpecLike, nbytes: int) -> None: ...
+
+    def _submit(self, spec: SaveSpecLike, kv: torch.Tensor) -> None:
+        """Hand one gathered chunk (its bytes reserved) to the Saver with what its header and refs record."""
+        self.saver.submit(spec.chunk_hash, kv, spec.req_id, reserved=True, tokens=spec.tokens,
+                          refs=getattr(spec, "refs", ()), digests=getattr(spec, "digests", None))
 
     def _finish_step(self) -> None:
         """Release per-step buffers (and, on a GPU, order the engine's stream after the gathers)."""

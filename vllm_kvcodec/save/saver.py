@@ -24,7 +24,7 @@ import torch
 from storage import Store
 from vllm_kvcodec.block_refs import Ref, encode_ref, ref_key
 from vllm_kvcodec.codecs.choice import CodecChooser
-from vllm_kvcodec.format import encode_chunk
+from vllm_kvcodec.format import TokenDigests, encode_chunk
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.outcomes import SaveOutcome
 from vllm_kvcodec.stats import ConnectorStats
@@ -105,9 +105,11 @@ class Saver:
             self._pending -= nbytes
 
     def submit(self, chunk_hash: str, kv: torch.Tensor, req_id: str = "", reserved: bool = False,
-               tokens: int | None = None, refs: Sequence[str] = ()) -> bool:
+               tokens: int | None = None, refs: Sequence[tuple[str, int]] = (),
+               digests: TokenDigests | None = None) -> bool:
         """Queue ``kv`` ``[layers, 2, chunk, heads, dim]`` for encoding and storing (its bytes reserved, or not yet);
-        once it landed, rank 0 writes its block refs ``refs`` (see :mod:`~vllm_kvcodec.block_refs`)."""
+        every object records ``digests`` of its tokens (:mod:`~vllm_kvcodec.token_digests`); once it landed, rank 0
+        writes its block refs ``refs`` (prefix hash and tokens each; see :mod:`~vllm_kvcodec.block_refs`)."""
         nbytes = kv.numel() * kv.element_size()
         if self._store_is_down():
             if reserved:
@@ -123,7 +125,7 @@ class Saver:
                 self._pending += nbytes
             self._waiting += 1
             future = self._pool.submit(self._encode_put, chunk_hash, kv, nbytes, req_id,
-                                       kv.shape[2] if tokens is None else tokens, refs)
+                                       kv.shape[2] if tokens is None else tokens, refs, digests)
             self._futures.add(future)
         future.add_done_callback(self._forget)
         return True
@@ -165,7 +167,7 @@ class Saver:
             return self._waiting >= self.threads
 
     def _encode_put(self, chunk_hash: str, kv: torch.Tensor, nbytes: int, req_id: str, tokens: int,
-                    refs: Sequence[str] = ()) -> None:
+                    refs: Sequence[tuple[str, int]] = (), digests: TokenDigests | None = None) -> None:
         landed = False
         try:
             t0 = time.perf_counter()
@@ -173,7 +175,7 @@ class Saver:
             codec = self.chooser.codec_for(kv[: len(self.groups[0])], behind=behind)
             keys = [self.addresses.key(chunk_hash, g) for g in range(len(self.groups))]
             items = [
-                (key, encode_chunk(kv[layers.start : layers.stop], codec, key=key))  # bound to its key
+                (key, encode_chunk(kv[layers.start : layers.stop], codec, key=key, tokens=digests))  # bound to key, tokens
                 for key, layers in zip(keys, self.groups)
             ]
             t1 = time.perf_counter()
@@ -195,19 +197,21 @@ class Saver:
                 self._pending -= nbytes
             self.report(SaveOutcome(req_id, chunk_hash, landed))
 
-    def _put_refs(self, chunk_hash: str, tokens: int, refs: Sequence[str]) -> None:
+    def _put_refs(self, chunk_hash: str, tokens: int, refs: Sequence[tuple[str, int]]) -> None:
         """The object's block refs, after it landed (a ref never names an object not yet stored), by one rank
-        only (they are namespace-wide: ``writes_refs``). A ref that fails to land is a shorter hit later, not a failed save."""
+        only (they are namespace-wide: ``writes_refs``), each bound to its own key. A ref that fails to land is a
+        shorter hit later, not a failed save."""
         if not refs or not self.addresses.writes_refs:
             return
-        value = encode_ref(Ref(chunk_hash, tokens))
+        ref = Ref(chunk_hash, tokens)
+        items = [(ref_key(self.addresses.namespace, h), encode_ref(h, t, ref)) for h, t in refs]
         try:
-            self.store.put_many([(ref_key(self.addresses.namespace, h), value) for h in refs])
+            self.store.put_many(items)
         except Exception as exc:  # noqa: BLE001 - refs are an index: losing one costs a shorter hit
             self.stats.add(ref_save_failures=1)
             logger.warning("kvcodec: saving the block refs of chunk %s failed: %s", chunk_hash[:12], exc)
             return
-        self.stats.add(saved_refs=len(refs), saved_ref_bytes=len(refs) * len(value))
+        self.stats.add(saved_refs=len(items), saved_ref_bytes=sum(len(v) for _, v in items))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued saves (tests, benchmarks, shutdown); True if all finished."""

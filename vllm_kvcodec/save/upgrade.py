@@ -88,11 +88,12 @@ class Upgrader:
                 self.stats.add(upgrades_skipped_busy=1)
                 self._unremember(key)
                 return
-            kv = decode_payload(blob, read_header(blob, key=key))
+            header = read_header(blob, key=key)
+            kv = decode_payload(blob, header)
             codec = self.chooser.codec_for(kv)
-            if codec.codec_id == read_header(blob, verify=False).codec_id:
+            if codec.codec_id == header.codec_id:
                 return
-            new = encode_chunk(kv, codec, key=key)
+            new = encode_chunk(kv, codec, key=key, tokens=header.tokens)  # what it records of its tokens, too
             if not _same_bits(decode_chunk(new, key=key), kv):
                 raise RuntimeError(f"{codec.codec_id} did not reproduce the stored KV")  # never overwrite with it
             if len(new) >= len(blob):
