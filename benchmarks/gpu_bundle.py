@@ -227,40 +227,59 @@ def unpack(args: argparse.Namespace) -> int:
 
 
 def preflight(args: argparse.Namespace) -> int:
-    """What the device offers, before the check: its GPU, the driver's video libraries, the package versions."""
+    """What the device offers, before the check: its GPU, the driver's video libraries, the packages, NVDEC's caps."""
     print(f"python {sys.version.split()[0]} at {sys.executable}; PYTHONPATH={os.environ.get('PYTHONPATH', '')}")
+    print(f"NVIDIA_DRIVER_CAPABILITIES={os.environ.get('NVIDIA_DRIVER_CAPABILITIES', '(unset)')} "
+          "(NVDEC/NVENC need 'video' among them: it mounts libnvcuvid.so.1 and libnvidia-encode.so.1)")
     for cmd in (["nvidia-smi", "-L"], ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv"]):
         _show(cmd)
-    ldconfig = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
-    video = [ln.strip() for ln in ldconfig.splitlines() if re.search(r"nvcuvid|nvidia-encode", ln)]
-    print("driver video libraries (ldconfig -p | grep -E 'nvcuvid|nvidia-encode'):", *(video or ["none"]), sep="\n  ")
+    print("driver video libraries:", *_video_libraries(), sep="\n  ")
     for name in PREFLIGHT_MODULES:
         try:
             mod = importlib.import_module(name)
             print(f"{name} {getattr(mod, '__version__', 'present')}")
         except Exception as exc:  # noqa: BLE001 - a missing or broken package is what this reports
-            print(f"{name} absent ({type(exc).__name__}: {str(exc)[:200]})")
-            if name == "PyNvVideoCodec":
-                _direct_nvcodec_module()
+            print(f"{name} absent ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
+    _nvdec_caps()
     return 0
 
 
-def _direct_nvcodec_module() -> None:
-    """PyNvVideoCodec 2.0's ``__init__`` asks libnvidia-encode for its version before anything else, so its
-    import fails where the driver's encode library is not mounted (an H200 has no NVENC). Whether its
-    decoder module itself loads without it (bypassing that probe) is what a fallback would rest on."""
-    import importlib.util
+def _video_libraries() -> list[str]:
+    """ldconfig's entries for the video libraries (where ldconfig exists), and whether this process loads each."""
+    lines = []
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False, timeout=30).stdout
+        lines += [f"ldconfig: {ln.strip()}" for ln in out.splitlines() if re.search(r"nvcuvid|nvidia-encode", ln)]
+        lines += [] if lines else ["ldconfig: neither library listed"]
+    except (OSError, subprocess.SubprocessError) as exc:
+        lines.append(f"ldconfig: not run ({type(exc).__name__}: {exc})")
+    import ctypes
 
-    for path in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        for so in sorted(Path(path or ".").glob("PyNvVideoCodec/PyNvVideoCodec_1[0-9][0-9].cpython-*.so"), reverse=True):
-            try:
-                spec = importlib.util.spec_from_file_location("_PyNvVideoCodec", so)
-                mod = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(mod)
-                names = sorted(n for n in dir(mod) if "Dec" in n or "Demux" in n)[:12]
-                print(f"  direct load of {so.name}: ok ({', '.join(names)})")
-            except Exception as exc:  # noqa: BLE001
-                print(f"  direct load of {so.name}: {type(exc).__name__}: {str(exc)[:200]}")
+    for lib in ("libnvcuvid.so.1", "libnvidia-encode.so.1"):
+        try:
+            ctypes.CDLL(lib)
+            lines.append(f"{lib}: loads")
+        except OSError as exc:
+            lines.append(f"{lib}: does not load ({exc})")
+    return lines
+
+
+def _nvdec_caps() -> None:
+    """The product's import of PyNvVideoCodec (its decoder module directly where only NVENC's library is missing),
+    then NVDEC's HEVC 4:4:4 8-bit caps: supported, engines, min/max size."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    try:
+        import torch
+
+        from vllm_kvcodec.gpu import nvcodec
+        from vllm_kvcodec.gpu.nvdec_sessions import decoder_caps
+
+        nvc = nvcodec._import_nvc()
+        print(f"PyNvVideoCodec for the product: {getattr(nvc, '__name__', nvc)} from {getattr(nvc, '__file__', '?')}")
+        print(f"NVDEC caps (HEVC 4:4:4 8-bit): {decoder_caps(torch.device('cuda', 0), nvc)}")
+    except Exception as exc:  # noqa: BLE001
+        print(f"NVDEC caps: not read ({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''})")
 
 
 def _show(cmd: list[str]) -> None:

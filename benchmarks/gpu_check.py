@@ -23,8 +23,12 @@ and writes the JSON before the process exits (so does SIGTERM). The JSON is
 rewritten after every section, atomically.
 
 Sections (each isolated: a failure is recorded and the next one runs; the
-NVENC probe, which loads the encoder library, runs after the NVDEC decode):
-env, selftest (every bit-exactness case of vllm_kvcodec.tools.gpu_selftest), realkv
+NVENC probe, which loads the encoder library, runs last): env (with the
+driver's video libraries in one line), then the KVCodec sections of
+benchmarks/gpu_check_video.py first (nvdec_decode, video_fetcher with the pool
+size and per-stage seconds, sm_interference: before the sweeps and the first
+compiles of the rest, so a slow cold cache skips those instead), selftest
+(every bit-exactness case of vllm_kvcodec.tools.gpu_selftest), realkv
 (GPU payloads of real KV vs the CPU codec's digests and the numpy reference,
 two layers by 32 tokens in the dry run,
 decode of the reference payload), throughput (device copy vs SplitZip encode
@@ -230,19 +234,7 @@ def timed(fn, iters: int, warmup: int = 1) -> dict:
     for _ in range(warmup):
         fn()
     sync()
-    times = []
-    for _ in range(iters):
-        if DEVICE.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
+    times = [video_sections._timed(fn) for _ in range(iters)]
     return {"median_s": statistics.median(times), "min_s": min(times)}
 
 
@@ -292,6 +284,7 @@ def sec_env(d: dict) -> None:
             d[mod] = "installed" if importlib.util.find_spec(mod) is not None else "absent"
         except Exception as exc:  # noqa: BLE001
             d[mod] = f"absent ({type(exc).__name__}: {exc})"
+    d["video_driver"] = video_driver_line()
     from vllm_kvcodec.gpu import splitzip_triton as g
 
     d["interpreter"] = g.interpreted()
@@ -299,6 +292,21 @@ def sec_env(d: dict) -> None:
     DATASET = load_data()
     d["data"] = str(ARGS.data) if DATASET is not None else f"missing: {ARGS.data} (run benchmarks/make_gpu_check_data.py)"
     log(f"   torch {d['torch']} triton {d['triton']} gpu {d.get('gpu', '-')} data {'ok' if DATASET else 'MISSING'}")
+
+
+def video_driver_line() -> str:
+    """One line: which of the driver's video libraries load here, and what the container was given."""
+    from vllm_kvcodec.gpu import nvcodec
+
+    libs = nvcodec.driver_video_libraries()
+    caps = os.environ.get("NVIDIA_DRIVER_CAPABILITIES", "unset")
+    found = ", ".join(f"{name} {'present' if ok else 'absent'}" for name, ok in libs.items())
+    if not any(libs.values()):
+        return (f"{found}: this container lacks the 'video' driver capability (NVIDIA_DRIVER_CAPABILITIES={caps}); "
+                "NVDEC/NVENC figures cannot be taken here")
+    if not libs[nvcodec.NVENCODE]:
+        return f"{found} (NVIDIA_DRIVER_CAPABILITIES={caps}): NVDEC through PyNvVideoCodec's decoder module, no NVENC"
+    return f"{found} (NVIDIA_DRIVER_CAPABILITIES={caps})"
 
 
 def sec_selftest(d: dict) -> None:
@@ -349,13 +357,13 @@ def sec_realkv(d: dict) -> None:
         back2 = g.decode_splitzip_gpu(payload, x.numel())
         row["decode_of_own_payload_bit_exact"] = bool(torch.equal(back2.view(torch.int16), x.reshape(-1).view(torch.int16)))
         try:
-            import vllm_kvcodec.format  # noqa: F401  (needs xxhash and every codec's imports, numba included)
+            from vllm_kvcodec.device_chunks import SplitZipGPU  # needs the chunk format: xxhash, every codec's imports
         except Exception as exc:  # noqa: BLE001
             row["chunk_blob_equals_cpu"] = f"skipped (chunk format not importable: {type(exc).__name__}: {exc})"
         else:
-            blob = g.SplitZipGPU().encode_chunk_gpu(x)
+            blob = SplitZipGPU().encode_chunk_gpu(x)
             row["chunk_blob_equals_cpu"] = hashlib.sha256(blob).hexdigest() == info["chunk"]["sha256"]
-            dec = g.SplitZipGPU().decode_chunk_gpu(blob, DEVICE)
+            dec = SplitZipGPU().decode_chunk_gpu(blob, DEVICE)
             row["chunk_decode_bit_exact"] = bool(torch.equal(dec.view(torch.int16), x.view(torch.int16)))
         rows[name] = row
         log(f"   {name}: {row}")
@@ -664,6 +672,7 @@ def sec_gpu_fetcher(d: dict) -> None:
 
 
 def sec_nvcodec(d: dict) -> None:
+    from vllm_kvcodec import device_chunks
     from vllm_kvcodec.gpu import nvcodec
 
     ok, reason = nvcodec.nvdec_available()
@@ -682,7 +691,7 @@ def sec_nvcodec(d: dict) -> None:
     if not ok:
         d["nvdec"]["decode"] = "skipped: " + reason
         if ARGS.dry_run:  # the code around the decoder, with libav in NVDEC's place
-            d["dry_run_libav_in_place_of_nvdec"] = _libav_stand_in(nvcodec, payload, shape, want)
+            d["dry_run_libav_in_place_of_nvdec"] = _libav_stand_in(device_chunks, payload, shape, want)
             log(f"   dry run, libav in place of NVDEC: {d['dry_run_libav_in_place_of_nvdec']}")
         return
     try:
@@ -691,12 +700,12 @@ def sec_nvcodec(d: dict) -> None:
         verify = True
     except ImportError:
         verify = False
-    from vllm_kvcodec.gpu.nvdec_sessions import NvdecSession
+    from vllm_kvcodec.gpu.nvdec_sessions import NvdecSessions, SessionPool
 
-    session = NvdecSession(DEVICE)  # one decoder, reused: the throughput is gpu_check_video's nvdec_decode section
-    got = nvcodec.decode_video_payload_nvdec(payload, shape, DEVICE, verify_hash=verify, session=session)
-    again = nvcodec.decode_video_payload_nvdec(payload, shape, DEVICE, verify_hash=verify, session=session)
-    parsed = nvcodec.parse_video_payload(payload, shape)
+    session = SessionPool(lambda: NvdecSessions()(DEVICE), 1)  # decoders reused: throughput is in nvdec_decode
+    got = device_chunks.decode_video_payload_nvdec(payload, shape, DEVICE, verify_hash=verify, session=session)
+    again = device_chunks.decode_video_payload_nvdec(payload, shape, DEVICE, verify_hash=verify, session=session)
+    parsed = device_chunks.parse_video_payload(payload, shape)
     d["nvdec"]["decode"] = {
         "bit_exact": bool(torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))),
         "bit_exact_reusing_the_session": bool(torch.equal(again.cpu().view(torch.int16), want.view(torch.int16))),
@@ -705,7 +714,7 @@ def sec_nvcodec(d: dict) -> None:
     }
     log(f"   NVDEC decode: {d['nvdec']['decode']}")
     try:
-        chunk = nvcodec.decode_video_chunk_nvdec(blob, DEVICE, verify_hash=verify, session=session)
+        chunk = device_chunks.decode_video_chunk_nvdec(blob, DEVICE, verify_hash=verify, session=session)
         d["nvdec"]["chunk_level_bit_exact"] = bool(torch.equal(chunk.cpu().view(torch.int16), want.view(torch.int16)))
     except Exception as exc:  # noqa: BLE001 - the chunk format needs xxhash and every codec's imports
         d["nvdec"]["chunk_level_bit_exact"] = f"not run: {type(exc).__name__}: {exc}"
@@ -714,6 +723,7 @@ def sec_nvcodec(d: dict) -> None:
 
 def sec_nvenc(d: dict) -> None:
     """The NVENC probe, after every NVDEC figure: it loads libnvidia-encode, absent on H200s (no NVENC there)."""
+    from vllm_kvcodec.device_chunks import parse_video_payload
     from vllm_kvcodec.gpu import nvcodec
 
     ok_enc, reason_enc = nvcodec.nvenc_available()
@@ -724,24 +734,26 @@ def sec_nvenc(d: dict) -> None:
         return
     blob = video["blob"].numpy().tobytes()
     payload = memoryview(blob)[video["payload_offset"] : video["payload_offset"] + video["payload_length"]]
-    parsed = nvcodec.parse_video_payload(payload, tuple(video["shape"]))
+    from vllm_kvcodec.codecs.video_layout import to_planes
+
+    parsed = parse_video_payload(payload, tuple(video["shape"]))
     a, b = video["tokens"]
     want = DATASET["kv"][:, :, a:b].contiguous()
     exps = ((bits16(want) >> 7) & 0xFF).astype(np.uint8)
-    planes = nvcodec._video_layout().to_planes(exps, parsed.geometry)
+    planes = to_planes(exps, parsed.geometry)
     stream = nvcodec.nvenc_encode_planes(planes)
     back = nvcodec.nvdec_decode_planes(stream, parsed.width, parsed.height, parsed.frames, DEVICE)
     d["nvenc"]["roundtrip_bit_exact"] = bool(np.array_equal(back.cpu().numpy(), planes))
     d["nvenc"]["stream_bytes"] = len(stream)
 
 
-def _libav_stand_in(nvcodec, payload, shape, want) -> str:
+def _libav_stand_in(device_chunks, payload, shape, want) -> str:
     try:
         import av  # noqa: F401  (the stand-in decodes with PyAV, which the device image lacks)
         from vllm_kvcodec.codecs import video_av
     except Exception as exc:  # noqa: BLE001
         return f"not run: {type(exc).__name__}: {exc}"
-    sizes = nvcodec.parse_video_payload(payload, shape).packet_sizes
+    sizes = device_chunks.parse_video_payload(payload, shape).packet_sizes
 
     def planes(stream, width, height, frames, device):
         packets, at = [], 0
@@ -750,7 +762,7 @@ def _libav_stand_in(nvcodec, payload, shape, want) -> str:
             at += s
         return torch.from_numpy(video_av.decode_pictures(packets, "hevc", width, height)).to(device)
 
-    got = nvcodec.decode_video_payload_nvdec(payload, shape, DEVICE, planes_decoder=planes)
+    got = device_chunks.decode_video_payload_nvdec(payload, shape, DEVICE, planes_decoder=planes)
     return "bit-exact" if torch.equal(got.view(torch.int16), want.view(torch.int16)) else "MISMATCH"
 
 
@@ -763,20 +775,23 @@ def _load_video_sections():
 
 
 video_sections = _load_video_sections()
+video_sections.DATA = ARGS.data  # the same input file as the other sections (--data)
 
-#: In the order they run; each is isolated (its failure is recorded, the next one runs). Whatever loads a
+#: In the order they run; each is isolated (its failure is recorded, the next one runs). The KVCodec paper's own
+#: figures (NVDEC, a video load, the GEMM under each decoder) run right after env, before the sweeps and the first
+#: numba/Triton compiles of the other sections, so a slow cold cache skips those instead. Whatever loads a
 #: driver library that may be missing (the NVENC probe) runs after every figure that does not need it:
-#: new NVDEC / video / interference sections go before ("nvenc", sec_nvenc). Each is ``fn(data: dict)``.
+#: ("nvenc", sec_nvenc) stays last. Each is ``fn(data: dict)``.
 SECTIONS = [
     ("env", sec_env),
+    ("nvdec_decode", video_sections.sec_nvdec_decode),
+    ("video_fetcher", video_sections.sec_video_fetcher),
+    ("sm_interference", video_sections.sec_sm_interference),
     ("selftest", sec_selftest),
     ("realkv", sec_realkv),
     ("throughput", sec_throughput),
     ("scatter", sec_scatter),
     ("gpu_fetcher", sec_gpu_fetcher),
-    ("nvdec_decode", video_sections.sec_nvdec_decode),
-    ("video_fetcher", video_sections.sec_video_fetcher),
-    ("sm_interference", video_sections.sec_sm_interference),
     ("nvcodec", sec_nvcodec),
     ("nvenc", sec_nvenc),
 ]

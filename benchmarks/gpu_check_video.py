@@ -6,25 +6,35 @@ section's dict; a failure is recorded there and the next section runs), before
 its ``nvcodec`` section, whose NVENC probe is the last thing the check does: a
 crash in the encoder library must not lose these figures.
 
-* ``nvdec_decode``: one reused decoder session decoding the data file's HEVC
-  chunk (256 tokens of SmolLM2 KV, 5 pictures of 192 x 1024) ``REPEATS`` times
-  into a device buffer allocated once, timed between two synchronisations
-  (nothing host-side inside: no demuxer, no pageable copy, no hash); then 2..7
-  sessions on as many threads (the GPU's NVDEC engines work in parallel). The
-  session's creation is timed apart.
+* ``nvdec_decode``: NVDEC's HEVC 4:4:4 caps (``GetDecoderCaps``: supported,
+  engines, min/max size); one reused decoder session decoding the data file's
+  HEVC chunk (256 tokens of SmolLM2 KV, 5 pictures of 192 x 1024) ``REPEATS``
+  times into a device buffer allocated once, timed between two
+  synchronisations (nothing host-side inside: no demuxer, no pageable copy, no
+  hash); then 2..7 sessions on as many threads (the GPU's NVDEC engines work
+  in parallel); then the full chunk and a 100-token tail (192 x 1000)
+  alternately through the product's session pool (one decoder per picture
+  size), bit-exact. The session's creation is timed apart.
 * ``video_fetcher``: the data file's video payload stored as ``CHUNKS`` objects
   (one per 256-token chunk, all 30 layers) and loaded through ``CudaFetcher``
   into packed paged caches: NVDEC, the Triton join and checksum, the scatter.
-  Bit-exact against the CPU layout; GB/s of KV.
+  Bit-exact against the CPU layout; GB/s of KV; ``sessions``, the pool size
+  the product uses on this device (``min(NVDEC engines, fetch threads)``);
+  ``stages``, the seconds of each stage timed on its own over the same objects
+  (decode, join, checksum: the chunk's value digest and, for comparison, the
+  old one-program exponent hash; scatter), and ``stages_splitzip``, the same
+  for the SplitZip device path (decode, value digest, scatter).
 * ``sm_interference``: a bf16 GEMM loop on the compute stream, its TFLOP/s
   alone, then while ``CudaFetcher`` loads chunks decoded by NVDEC (video), by
   the Triton SplitZip kernels (splitzip), and on the CPU then copied (rans:
   numba; the image has no PyAV for the CPU video decoder); each load's GB/s
   alone and under the GEMM.
 
-``--dry-run`` (``TRITON_INTERPRET=1``, a CPU): the same code at tiny sizes,
-libav standing in for NVDEC, kernels in Triton's interpreter, a CPU GEMM; the
-figures mean nothing, reaching them is the point.
+``--dry-run`` (``TRITON_INTERPRET=1``, a CPU): the same code at tiny sizes, the
+product's NVDEC sessions over a stand-in of PyNvVideoCodec 2.0.4
+(:mod:`vllm_kvcodec.tools.gpu_nvc_stand_in`: libav behind it, or the known
+pictures of placeholder streams where PyAV is blocked), kernels in Triton's
+interpreter, a CPU GEMM; the figures mean nothing, reaching them is the point.
 """
 
 from __future__ import annotations
@@ -75,7 +85,7 @@ def _gbps(nbytes: float, seconds: float) -> float:
 # ---- the video chunk and decoder sessions ----------------------------------------------------------------
 
 
-def _video() -> tuple[memoryview, tuple[int, ...], torch.Tensor]:
+def _video(name: str = "video") -> tuple[memoryview, tuple[int, ...], torch.Tensor]:
     """(payload, shape, the KV it holds): the data file's chunk on a GPU; a small chunk made here with x265 (dry run)."""
     from vllm_kvcodec.format import payload_of, read_header
 
@@ -83,13 +93,15 @@ def _video() -> tuple[memoryview, tuple[int, ...], torch.Tensor]:
     if DRY:
         from vllm_kvcodec.format import encode_chunk
 
-        kv = (data["kv"][:2, :, :16] if data else torch.randn(2, 2, 16, 3, 64)).to(torch.bfloat16).contiguous()
+        tokens = (0, 16) if name == "video" else (16, 136)  # 1 picture of 192 x 144; the "tail" 192 x 160
+        base = data["kv"] if data else torch.randn(2, 2, 136, 3, 64)
+        kv = base[:2, :, tokens[0] : tokens[1]].to(torch.bfloat16).contiguous()
         blob = encode_chunk(kv, "video") if _have_av() else _oracle_blob(kv)
     else:
-        if data is None or data.get("video") is None:
-            raise RuntimeError(f"no video chunk in {DATA} (benchmarks/make_gpu_check_data.py writes it)")
-        blob = data["video"]["blob"].numpy().tobytes()
-        a, b = data["video"]["tokens"]
+        if data is None or data.get(name) is None:
+            raise RuntimeError(f"no {name} chunk in {DATA} (benchmarks/make_gpu_check_data.py writes it)")
+        blob = data[name]["blob"].numpy().tobytes()
+        a, b = data[name]["tokens"]
         kv = data["kv"][:, :, a:b].contiguous()
     head = read_header(blob)
     return payload_of(blob, head), tuple(head.shape), kv
@@ -103,71 +115,81 @@ def _have_av() -> bool:
     return True
 
 
-#: Dry run without PyAV (the CI test blocks what the device image lacks): stream bytes -> the pictures they stand for.
-_ORACLE: dict[bytes, torch.Tensor] = {}
+#: Dry run without PyAV (the CI test blocks what the device image lacks): packet bytes -> the picture it stands for.
+_ORACLE: dict[bytes, Any] = {}
 
 
 def _oracle_blob(kv: torch.Tensor) -> bytes:
-    """A ``video`` chunk of ``kv`` whose stream is a placeholder the oracle session knows the pictures of."""
+    """A ``video`` chunk of ``kv`` whose packets are placeholders the stand-in decoder knows the pictures of."""
     import numpy as np
     import xxhash
 
-    from vllm_kvcodec.codecs.video import _HEAD, split
+    from vllm_kvcodec.codecs.video import _HEAD, VideoCodec, split
     from vllm_kvcodec.codecs.video_layout import geometry, to_planes
     from vllm_kvcodec.dtypes import DType
-    from vllm_kvcodec.format import build_chunk
+    from vllm_kvcodec.format import ValueDigest, build_chunk, value_digest
 
     bits = kv.contiguous().view(torch.int16).numpy().view(np.uint16)
     geo = geometry(tuple(kv.shape))
     exps, signman = split(bits.reshape(-1), DType.BFLOAT16)
+    planes = to_planes(exps, geo)
     packets = [b"\0\0\0\1" + i.to_bytes(4, "little") + xxhash.xxh3_64_digest(exps) for i in range(geo.frames)]
-    _ORACLE[b"".join(packets)] = torch.from_numpy(to_planes(exps, geo))
+    _ORACLE.update(zip(packets, planes))
     sizes = np.array([len(p) for p in packets], dtype="<u4").tobytes()
     payload = b"".join([_HEAD.pack(geo.width, geo.height, geo.frames, xxhash.xxh3_64_intdigest(exps)),
                         signman.tobytes(), sizes, *packets])
-    return build_chunk(payload, DType.BFLOAT16, tuple(kv.shape), {"id": "video", "backend": "hevc", "layout": 1})
-
-
-class _OracleSession:
-    """Dry run without PyAV: the pictures a placeholder stream stands for (the pipeline after the decoder runs)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def decode_into(self, packets: list, width: int, height: int, out: torch.Tensor) -> None:
-        out.copy_(_ORACLE[b"".join(bytes(p) for p in packets)])
-
-    def close(self) -> None:
-        pass
+    segment = VideoCodec.value_digest_segment
+    return build_chunk(payload, DType.BFLOAT16, tuple(kv.shape), {"id": "video", "backend": "hevc", "layout": 1},
+                       value_digest=ValueDigest(segment, value_digest(bits.tobytes(), segment)))
 
 
 def _session_factory() -> tuple[Any, str]:
-    """NVDEC sessions where NVDEC works here; libav standing in on a dry run; else why not."""
+    """The product's NVDEC sessions where NVDEC works here; over the 2.0.4 stand-in on a dry run; else why not."""
     from vllm_kvcodec.gpu import nvcodec
-    from vllm_kvcodec.gpu.nvdec_sessions import LibavSession, NvdecSession
+    from vllm_kvcodec.gpu.nvdec_sessions import NvdecSessions
 
     ok, reason = nvcodec.nvdec_available() if DEVICE.type == "cuda" else (False, "no CUDA device")
     if ok:
-        return NvdecSession, reason
-    if DRY and _have_av():
-        return LibavSession, f"libav standing in for NVDEC ({reason})"
+        return NvdecSessions(nvcodec._import_nvc()), reason
     if DRY:
-        return _OracleSession, f"no PyAV: the known pictures stand in for NVDEC ({reason})"
+        from vllm_kvcodec.tools.gpu_nvc_stand_in import KnownPictures, LibavPictures, StandInNvc
+
+        if _have_av():
+            return NvdecSessions(StandInNvc(LibavPictures)), f"PyNvVideoCodec 2.0.4 stand-in, libav behind it ({reason})"
+        return (NvdecSessions(StandInNvc(lambda: KnownPictures(_ORACLE))),
+                f"PyNvVideoCodec 2.0.4 stand-in, known pictures behind it: no PyAV ({reason})")
     return None, reason
 
 
+def _timed(fn: Any) -> float:
+    """Seconds ``fn``'s device work takes on the current stream (CUDA events; wall time on a CPU)."""
+    if DEVICE.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def sec_nvdec_decode(d: dict) -> None:
-    """NVDEC decode throughput: one reused session, then 2..7 sessions on threads."""
-    from vllm_kvcodec.gpu import nvcodec
+    """NVDEC's caps; decode throughput of one reused session, then 2..7 sessions on threads; two picture sizes."""
+    from vllm_kvcodec.device_chunks import parse_video_payload
+    from vllm_kvcodec.gpu.nvdec_sessions import decoder_caps
 
     factory, reason = _session_factory()
     d["decoder"] = reason
     if factory is None:
         d["status"] = f"skipped: {reason}"
         return
+    d["caps"] = decoder_caps(DEVICE, factory.nvc)
+    _log(f"NVDEC caps (HEVC 4:4:4 8-bit): {d['caps']}")
     payload, shape, kv = _video()
-    parsed = nvcodec.parse_video_payload(payload, shape)
-    packets = nvcodec.split_packets(parsed.stream, parsed.packet_sizes)
+    parsed = parse_video_payload(payload, shape)
+    packets = parsed.packets()
     geo = parsed.geometry
     t = time.perf_counter()
     session = factory(DEVICE)
@@ -175,9 +197,7 @@ def sec_nvdec_decode(d: dict) -> None:
     out = torch.empty((geo.frames, 3, geo.height, geo.width), dtype=torch.uint8, device=DEVICE)
     session.decode_into(packets, geo.width, geo.height, out)  # warm: the decoder's surfaces, the copy kernels
     _sync()
-    exps = nvcodec.planes_to_exponents(out, geo).cpu()
-    want = ((kv.contiguous().view(torch.int16).view(-1).to(torch.int32) >> 7) & 0xFF).to(torch.uint8)
-    d["bit_exact_exponents"] = bool(torch.equal(exps, want))
+    d["bit_exact_exponents"] = bool(torch.equal(_exponents(out, geo), _want_exponents(kv)))
     t = time.perf_counter()
     for _ in range(REPEATS):
         session.decode_into(packets, geo.width, geo.height, out)
@@ -190,6 +210,43 @@ def sec_nvdec_decode(d: dict) -> None:
     for count in SESSIONS:
         d["threads"][str(count)] = row = _threaded(factory, count, packets, geo, len(parsed.stream))
         _log(f"NVDEC {count} sessions: {row}")
+    d["two_sizes"] = _two_sizes(factory)
+    _log(f"NVDEC full chunk and tail through the session pool: {d['two_sizes']}")
+    if not d["bit_exact_exponents"] or d["two_sizes"].get("bit_exact") is not True:
+        d["status"] = "MISMATCH"
+
+
+def _exponents(planes: torch.Tensor, geo: Any) -> torch.Tensor:
+    from vllm_kvcodec.gpu import nvcodec
+
+    return nvcodec.planes_to_exponents(planes, geo).cpu()
+
+
+def _want_exponents(kv: torch.Tensor) -> torch.Tensor:
+    return ((kv.contiguous().view(torch.int16).view(-1).to(torch.int32) >> 7) & 0xFF).to(torch.uint8)
+
+
+def _two_sizes(factory: Any) -> dict:
+    """The full chunk and the tail, alternately, through the product's pool (one decoder per picture size)."""
+    from vllm_kvcodec.device_chunks import parse_video_payload
+    from vllm_kvcodec.gpu.nvdec_sessions import SessionPool
+
+    pool = SessionPool(lambda: factory(DEVICE), 2)
+    chunks = []
+    for name in ("video", "video_tail"):
+        payload, shape, kv = _video(name)
+        chunks.append((parse_video_payload(payload, shape), _want_exponents(kv)))
+    exact = True
+    for parsed, want in chunks * 3:
+        geo = parsed.geometry
+        out = torch.empty((geo.frames, 3, geo.height, geo.width), dtype=torch.uint8, device=DEVICE)
+        with pool.take((geo.width, geo.height)) as session:
+            session.decode_into(parsed.packets(), geo.width, geo.height, out)
+        _sync()
+        exact &= bool(torch.equal(_exponents(out, geo), want))
+    pool.close()
+    return {"sizes": [[p.geometry.width, p.geometry.height, p.geometry.frames] for p, _ in chunks],
+            "decoders_created": pool.created, "bit_exact": exact}
 
 
 def _decode_row(chunks: int, geo: Any, seconds: float, stream_bytes: int) -> dict:
@@ -249,7 +306,8 @@ def _scenario(codec: str) -> Any:
     ``video`` objects on a GPU carry the data file's payload (the image has no
     PyAV to encode): the same payload under each object's key.
     """
-    from vllm_kvcodec.format import build_chunk, read_header
+    from vllm_kvcodec.codecs.video import VideoCodec
+    from vllm_kvcodec.format import ValueDigest, build_chunk, read_header, value_digest
     from vllm_kvcodec.tools import gpu_load_check as lc
 
     payload, shape, kv = _video()
@@ -258,13 +316,15 @@ def _scenario(codec: str) -> Any:
     block = 8 if DRY else 16
     encode_as = "raw" if codec == "video" and not (DRY and _have_av()) else codec
     sc = lc.build(tiled, chunk_size=tokens, layers_per_object=kv.shape[0], block_size=block, codecs=[encode_as])
-    if encode_as != codec:
+    if encode_as != codec:  # every object holds the same KV: the same payload and value digest
+        segment = VideoCodec.value_digest_segment
+        digest = ValueDigest(segment, value_digest(kv.view(torch.int16).numpy().tobytes(), segment))
         for spec in sc.specs:
             for chunk in spec.chunks:
                 key = sc.addresses.key(chunk.chunk_hash, 0)
                 head = read_header(sc.store.get(key), key=key)
                 sc.store.put(key, build_chunk(payload, head.dtype, head.shape, {"id": "video", "backend": "hevc",
-                                                                               "layout": 1}, key=key))
+                                                                               "layout": 1}, key=key, value_digest=digest))
     return sc
 
 
@@ -297,7 +357,8 @@ class _Loader:
 
 
 def sec_video_fetcher(d: dict) -> None:
-    """An end-to-end CudaFetcher load of video chunks: NVDEC, join and checksum on the device, scatter; bit-exact."""
+    """An end-to-end CudaFetcher load of video chunks: NVDEC, join and checksum on the device, scatter; bit-exact.
+    Then each stage of the same objects timed on its own, for video and for SplitZip."""
     from vllm_kvcodec.tools import gpu_load_check as lc
 
     factory, reason = _session_factory()
@@ -310,16 +371,111 @@ def sec_video_fetcher(d: dict) -> None:
     try:
         loader.once()  # warm: sessions, staging, kernels
         seconds, job = loader.once()
+        nvdec = loader.fetcher.placement.nvdec
         d["chunks"] = CHUNKS
         d["failed_blocks"] = len(job.failed_blocks)
         d["bit_exact_vs_cpu_layout"] = lc.caches_equal(loader.caches, sc.expected())
         d["seconds"] = round(seconds, 4)
         d["kv_GBps"] = _gbps(loader.raw, seconds)
+        d["sessions"] = nvdec.sessions  # min(NVDEC engines, fetch threads): what the product uses here
+        d["fetch_threads"] = nvdec.threads
+        d["nvdec_fallback"] = nvdec.unavailable
+        d["stages"] = _video_stages(sc, factory, loader)
     finally:
         loader.close()
     _log(f"video fetcher: {d}")
-    if d["failed_blocks"] or not d["bit_exact_vs_cpu_layout"]:
-        d["status"] = "MISMATCH"
+    d["stages_splitzip"] = _splitzip_stages()
+    _log(f"splitzip stages: {d['stages_splitzip']}")
+    if d["failed_blocks"] or not d["bit_exact_vs_cpu_layout"] or d["nvdec_fallback"]:
+        d["status"] = "MISMATCH" if d["failed_blocks"] or not d["bit_exact_vs_cpu_layout"] else "NVDEC fell back"
+    if not d["stages"]["checks_passed"] or not d["stages_splitzip"]["checks_passed"]:
+        d["status"] = "MISMATCH in the stage timings' checks"
+
+
+def _stage_rows(t: dict, nbytes: int, objects: int) -> dict:
+    return {**{k: round(v, 6) for k, v in t.items()}, "objects": objects, "kv_bytes": nbytes,
+            **{k.removesuffix("_s") + "_GBps": _gbps(nbytes, v) for k, v in t.items() if v > 0}}
+
+
+def _video_stages(sc: Any, factory: Any, loader: _Loader) -> dict:
+    """Decode, join, checksum (the value digest; the old one-program exponent hash beside it) and scatter of every
+    object of the scenario, each stage timed on its own on the current stream (the fetcher's own run overlaps
+    them on its threads; this says which one limits)."""
+    from vllm_kvcodec.device_chunks import ExponentHashCheck, parse_video_payload, value_check
+    from vllm_kvcodec.format import payload_of, read_header
+    from vllm_kvcodec.gpu.nvdec_join_triton import join_exponents
+    from vllm_kvcodec.gpu.nvdec_sessions import SessionPool
+
+    pool = SessionPool(lambda: factory(DEVICE), 1)
+    t = dict.fromkeys(("decode_s", "join_s", "checksum_s", "checksum_exponent_hash_s", "scatter_s"), 0.0)
+    passed, objects, nbytes = True, 0, 0
+    for spec in sc.specs:
+        for chunk in spec.chunks:
+            key = sc.addresses.key(chunk.chunk_hash, 0)
+            blob = sc.store.get(key)
+            head = read_header(blob, key=key)
+            parsed = parse_video_payload(payload_of(blob, head), head.shape)
+            geo = parsed.geometry
+            planes = torch.empty((geo.frames, 3, geo.height, geo.width), dtype=torch.uint8, device=DEVICE)
+            signman = torch.frombuffer(bytearray(parsed.signman), dtype=torch.uint8).to(DEVICE)
+            values = torch.empty(geo.n, dtype=torch.int16, device=DEVICE)
+            with pool.take((geo.width, geo.height)) as session:
+                t["decode_s"] += _timed(lambda: session.decode_into(parsed.packets(), geo.width, geo.height, planes))
+            t["join_s"] += _timed(lambda: join_exponents(planes, signman, geo, values))
+            for name, check in (("checksum_s", value_check(head, parsed)),
+                                ("checksum_exponent_hash_s", ExponentHashCheck(parsed.exp_hash, geo.n))):
+                back = torch.empty(check.readback_bytes, dtype=torch.uint8, device=DEVICE)
+                t[name] += _timed(lambda: check.launch(values, back))
+                try:
+                    check.verify(back.cpu().numpy().tobytes())
+                except Exception:  # noqa: BLE001 - recorded: the row must not read as a pass
+                    passed = False
+            kv = values.view(torch.bfloat16).view(head.shape)
+            part = kv[:, :, chunk.first_token : chunk.first_token + len(chunk.slots)]
+            slots = torch.tensor(chunk.slots, dtype=torch.int64, device=DEVICE)
+            t["scatter_s"] += _timed(lambda: loader.fetcher.pages.scatter(0, part, slots))
+            objects += 1
+            nbytes += geo.n * 2
+    pool.close()
+    kind = value_check(head, parsed).kind
+    return {**_stage_rows(t, nbytes, objects), "checksum": kind, "checks_passed": passed}
+
+
+def _splitzip_stages() -> dict:
+    """SplitZip's device path, the same way: Triton decode, the value digest of the decoded values, scatter."""
+    from vllm_kvcodec.codecs.video import VideoCodec
+    from vllm_kvcodec.device_chunks import SegmentedDigestCheck
+    from vllm_kvcodec.format import ValueDigest, value_digest
+    from vllm_kvcodec.gpu import splitzip_triton as sz
+
+    _, _, kv = _video()
+    n = kv.numel()
+    segment = VideoCodec.value_digest_segment
+    check = SegmentedDigestCheck(ValueDigest(segment, value_digest(kv.view(torch.int16).numpy().tobytes(), segment)),
+                                 2 * n)
+    x = kv.to(DEVICE)
+    payload = sz.encode_splitzip_gpu(x)
+    out = torch.empty(n, dtype=torch.bfloat16, device=DEVICE)
+    back = torch.empty(check.readback_bytes, dtype=torch.uint8, device=DEVICE)
+    sc = _scenario("splitzip")
+    loader = _Loader(sc, None)
+    spec_chunk = sc.specs[0].chunks[0]
+    slots = torch.tensor(spec_chunk.slots, dtype=torch.int64, device=DEVICE)
+    t = dict.fromkeys(("decode_s", "checksum_s", "scatter_s"), 0.0)
+    passed = True
+    try:
+        for _ in range(CHUNKS):
+            t["decode_s"] += _timed(lambda: sz.decode_splitzip_gpu_async(payload, n, out))
+            t["checksum_s"] += _timed(lambda: check.launch(out, back))
+            try:
+                check.verify(back.cpu().numpy().tobytes())
+            except Exception:  # noqa: BLE001
+                passed = False
+            part = out.view(kv.shape)[:, :, spec_chunk.first_token : spec_chunk.first_token + len(spec_chunk.slots)]
+            t["scatter_s"] += _timed(lambda: loader.fetcher.pages.scatter(0, part, slots))
+    finally:
+        loader.close()
+    return {**_stage_rows(t, 2 * n * CHUNKS, CHUNKS), "checksum": check.kind, "checks_passed": passed}
 
 
 # ---- SM interference -------------------------------------------------------------------------------------

@@ -16,7 +16,10 @@ weights_only=True)``):
   (the device compares its own bytes against these; no numba needed there);
 * ``video``: ``encode_chunk(kv[:, :, :256], "video")`` (HEVC, x265 lossless) as a
   uint8 tensor, with its payload offset/length and shape (so the device needs
-  no chunk-format imports), for the NVDEC check (absent if PyAV is missing here).
+  no chunk-format imports), for the NVDEC check (absent if PyAV is missing here);
+* ``video_tail``: the same for a 100-token tail (``kv[:, :, 256:356]``: 2
+  pictures of 192 x 1000, where the full chunk has 5 of 192 x 1024), so the
+  device decodes two picture sizes as the product's sessions must.
 """
 
 from __future__ import annotations
@@ -72,11 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from vllm_kvcodec.format import read_header
 
-        blob = encode_chunk(kv[:, :, :256].contiguous(), "video")  # backend hevc, verified on encode
-        head = read_header(blob)
-        data["video"] = {"blob": torch.frombuffer(bytearray(blob), dtype=torch.uint8), "tokens": [0, 256],
-                         "backend": "hevc", "payload_offset": head.payload_offset,
-                         "payload_length": head.payload_length, "shape": list(head.shape)}
+        for name, (a, b) in (("video", (0, 256)), ("video_tail", (256, 356))):
+            blob = encode_chunk(kv[:, :, a:b].contiguous(), "video")  # backend hevc, verified on encode
+            head = read_header(blob)
+            data[name] = {"blob": torch.frombuffer(bytearray(blob), dtype=torch.uint8), "tokens": [a, b],
+                          "backend": "hevc", "payload_offset": head.payload_offset,
+                          "payload_length": head.payload_length, "shape": list(head.shape)}
     except Exception as exc:  # noqa: BLE001 - PyAV missing: the device check reports the NVDEC part as skipped
         print(f"no video chunk ({type(exc).__name__}: {exc})")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,11 @@ not the chunk that was asked for. A chunk may also record the token ids it
 was computed from (flag ``TOKEN_DIGESTS``: a chained digest per few tokens,
 see :mod:`vllm_kvcodec.token_digests`), so a reader can check that an object
 holds *its prompt's* KV before a byte reaches paged memory, whatever key or
-ref led to it. Decoding validates each field
+ref led to it. And it may carry a digest of its decoded values (flag
+``VALUE_DIGEST``: a segmented XXH3-64 whose segments a device hashes in
+parallel, see :func:`value_digest`), which a decoder checks after decoding:
+it vouches for the values a decoder produced (NVDEC, say), not for the
+stored bytes, which the trailer covers. Decoding validates each field
 and size before it allocates, and raises :class:`ChunkFormatError` (or a
 subclass) on anything it cannot vouch for, so it never returns wrong data.
 """
@@ -46,11 +50,18 @@ MAX_ELEMENTS = 1 << 31
 _FIXED = struct.Struct("<4sHBBHHQ")  # magic, version, dtype, ndim, config_len, flags, payload_len
 _CHECKSUM = struct.Struct("<Q")
 _KEY_DIGEST = struct.Struct("<Q")
+_VALUE_DIGEST = struct.Struct("<IQ")  # segment bytes, digest
 #: Header flag: the key digest (XXH3-64 of the store key's ASCII bytes) follows the shape.
 KEY_BOUND = 0x1
 #: Header flag: token digests follow the key digest: tokens per digest and count (u16 each), then the digests.
 TOKEN_DIGESTS = 0x2
-_KNOWN_FLAGS = KEY_BOUND | TOKEN_DIGESTS
+#: Header flag: a digest of the decoded values (segment size, segmented XXH3-64) follows the token digests.
+VALUE_DIGEST = 0x4
+_KNOWN_FLAGS = KEY_BOUND | TOKEN_DIGESTS | VALUE_DIGEST
+#: Value digest segments: a power of two in this range (bytes).
+MIN_DIGEST_SEGMENT, MAX_DIGEST_SEGMENT = 1 << 10, 1 << 30
+#: XXH3 hashes inputs up to this length without its accumulator loop; a last segment this short joins the one before.
+DIGEST_SHORT_TAIL = 240
 _DIGESTS_HEAD = struct.Struct("<HH")
 #: Bytes of each token digest (a truncated SHA-256 or XXH3-128, see token_digests.py).
 TOKEN_DIGEST_BYTES = 16
@@ -60,9 +71,9 @@ MIN_CHUNK_BYTES = _FIXED.size + _CHECKSUM.size
 #: The fixed part of every chunk header (:func:`header_length` needs it, and the token digests' count if flagged).
 FIXED_HEADER_BYTES = _FIXED.size
 #: The longest header this format allows: the fixed part, MAX_NDIM dimensions, a key digest, the most token
-#: digests, the largest codec config.
+#: digests, a value digest, the largest codec config.
 MAX_HEADER_BYTES = (_FIXED.size + 4 * MAX_NDIM + _KEY_DIGEST.size + _DIGESTS_HEAD.size
-                    + MAX_TOKEN_DIGESTS * TOKEN_DIGEST_BYTES + MAX_CONFIG_BYTES)
+                    + MAX_TOKEN_DIGESTS * TOKEN_DIGEST_BYTES + _VALUE_DIGEST.size + MAX_CONFIG_BYTES)
 #: The trailer: XXH3-64 (seed 0) of every byte before it.
 CHECKSUM_BYTES = _CHECKSUM.size
 
@@ -100,6 +111,7 @@ class ChunkHeader:
     payload_length: int
     key_digest: int | None = None  # XXH3-64 of the key the chunk is bound to, None if unbound
     tokens: TokenDigests | None = None  # what the chunk records of its token ids, None if nothing
+    value_digest: ValueDigest | None = None  # what the decoded values must hash to (flag VALUE_DIGEST)
 
     @property
     def codec_id(self) -> str:
@@ -110,6 +122,50 @@ class ChunkHeader:
         return math.prod(self.shape) * self.dtype.itemsize  # Python ints: exact at any size
 
 
+@dataclasses.dataclass(frozen=True)
+class ValueDigest:
+    """A chunk's digest of its decoded values: :func:`value_digest` of their bytes with ``segment``-byte segments."""
+
+    segment: int
+    digest: int
+
+
+def digest_segments(nbytes: int, segment: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of each segment of ``nbytes`` bytes: ``segment`` bytes each, the last one holding the rest,
+    joined to the one before when it would be :data:`DIGEST_SHORT_TAIL` bytes or fewer (so every segment of a
+    multi-segment digest takes XXH3's long-input path, which a device kernel computes)."""
+    count = max(1, -(-nbytes // segment))
+    if count > 1 and nbytes - (count - 1) * segment <= DIGEST_SHORT_TAIL:
+        count -= 1
+    return [(i * segment, nbytes if i == count - 1 else (i + 1) * segment) for i in range(count)]
+
+
+def value_digest(data: bytes | bytearray | memoryview | np.ndarray, segment: int) -> int:
+    """XXH3-64 (seed 0) of the little-endian u64 XXH3-64 digests of ``data``'s segments (:func:`digest_segments`).
+
+    Segments are independent, so a device hashes them in parallel (one
+    program each) and the host hashes the short list of their digests.
+    """
+    _check_segment(segment)
+    view = memoryview(data).cast("B")
+    digests = [xxhash.xxh3_64_intdigest(view[a:b]) for a, b in digest_segments(len(view), segment)]
+    return xxhash.xxh3_64_intdigest(np.array(digests, dtype="<u8").tobytes())
+
+
+def _check_segment(segment: int) -> None:
+    if not MIN_DIGEST_SEGMENT <= segment <= MAX_DIGEST_SEGMENT or segment & (segment - 1):
+        raise ChunkFormatError(f"value digest segment of {segment} bytes is not a power of two in "
+                               f"[{MIN_DIGEST_SEGMENT}, {MAX_DIGEST_SEGMENT}]")
+
+
+def verify_value_digest(bits: np.ndarray, header: ChunkHeader) -> None:
+    """Raise :class:`ChunkFormatError` unless ``bits`` (the decoded elements) match the header's value digest."""
+    if header.value_digest is None:
+        return
+    if value_digest(_le_bytes(bits), header.value_digest.segment) != header.value_digest.digest:
+        raise ChunkFormatError("value digest mismatch: the payload decoded to other values than were encoded")
+
+
 def key_digest(key: str) -> int:
     """What a key-bound chunk stores of its key: XXH3-64 (seed 0) of the key's ASCII bytes."""
     return xxhash.xxh3_64_intdigest(key.encode("ascii"))
@@ -117,35 +173,53 @@ def key_digest(key: str) -> int:
 
 def encode_chunk(
     kv: torch.Tensor, codec: str | dict[str, Any] | Codec | None = None, *, key: str | None = None,
-    tokens: TokenDigests | None = None, **params: Any
+    tokens: TokenDigests | None = None, value_digest_segment: int | None = None, **params: Any,
 ) -> bytes:
     """Encode one KV chunk (any shape, bf16/fp16/fp32) into a self-describing blob.
 
     ``codec=None`` picks the codec policy's default for the tensor's dtype (:mod:`.codecs.policy`). ``key``
     binds the chunk to the store key it will be written under (see
-    :func:`read_header`); ``tokens`` records the token ids it was computed from.
+    :func:`read_header`); ``tokens`` records the token ids it was computed from. ``value_digest_segment``: write
+    a digest of the values with segments of that many bytes (``0``: none); by default the codec's
+    ``value_digest_segment`` (a codec whose decoder may return other values than were encoded without noticing,
+    such as a hardware video decoder, sets one).
     """
     bits, dtype = tensor_to_bits(kv)
     coder = policy.lossless_codec(get_codec(codec if codec is not None else policy.default_codec_for(dtype), **params))
     coder.check_dtype(dtype)
     _check_shape(tuple(bits.shape))
-    return build_chunk(coder.encode(bits, dtype), dtype, tuple(bits.shape), coder.get_config(), key=key, tokens=tokens)
+    segment = getattr(coder, "value_digest_segment", 0) if value_digest_segment is None else value_digest_segment
+    digest = ValueDigest(segment, value_digest(_le_bytes(bits), segment)) if segment else None
+    return build_chunk(coder.encode(bits, dtype), dtype, tuple(bits.shape), coder.get_config(), key=key,
+                       tokens=tokens, value_digest=digest)
+
+
+def _le_bytes(bits: np.ndarray) -> np.ndarray:
+    """The elements' bytes, little-endian (what a device holds after decoding)."""
+    flat = np.ascontiguousarray(bits).reshape(-1)
+    if sys.byteorder != "little":
+        flat = flat.astype(flat.dtype.newbyteorder("<"))
+    return flat.view(np.uint8)
 
 
 def build_chunk(
     payload: bytes | memoryview, dtype: DType, shape: tuple[int, ...], codec_config: dict[str, Any],
-    *, key: str | None = None, tokens: TokenDigests | None = None,
+    *, key: str | None = None, tokens: TokenDigests | None = None, value_digest: ValueDigest | None = None,
 ) -> bytes:
-    """Wrap a codec payload made elsewhere (a GPU encoder, say) in header and checksum."""
+    """Wrap a codec payload made elsewhere (a GPU encoder, say) in header and checksum (and ``value_digest``)."""
     _check_shape(shape)
     config = _dump_config(codec_config)
     payload = memoryview(payload).cast("B")
-    flags = (KEY_BOUND if key is not None else 0) | (TOKEN_DIGESTS if tokens is not None else 0)
+    flags = ((KEY_BOUND if key is not None else 0) | (TOKEN_DIGESTS if tokens is not None else 0)
+             | (VALUE_DIGEST if value_digest is not None else 0))
+    if value_digest is not None:
+        _check_segment(value_digest.segment)
     head = b"".join((
         _FIXED.pack(MAGIC, VERSION, int(dtype), len(shape), len(config), flags, len(payload)),
         struct.pack(f"<{len(shape)}I", *shape),
         _KEY_DIGEST.pack(key_digest(key)) if key is not None else b"",
         tokens.pack() if tokens is not None else b"",
+        _VALUE_DIGEST.pack(value_digest.segment, value_digest.digest) if value_digest is not None else b"",
         config,
     ))
     digest = xxhash.xxh3_64(head)
@@ -180,7 +254,7 @@ def header_length(head: bytes | bytearray | memoryview) -> int:
     buf = memoryview(head).cast("B")
     _, _, _, ndim, config_len, flags, _ = _fixed_fields(buf)
     _check_header_fields(ndim, config_len, flags)
-    return _sections(buf, ndim, flags)[2] + config_len
+    return _sections(buf, ndim, flags)[3] + config_len
 
 
 def parse_header(head: bytes | bytearray | memoryview, total: int, key: str | None = None) -> ChunkHeader:
@@ -197,7 +271,7 @@ def parse_header(head: bytes | bytearray | memoryview, total: int, key: str | No
     _check_header_fields(ndim, config_len, flags)
     dtype = DType.from_wire(dtype_code)
     shape_at = _FIXED.size
-    digest_at, tokens, config_at = _sections(buf, ndim, flags)
+    digest_at, tokens, value_at, config_at = _sections(buf, ndim, flags)
     payload_at = config_at + config_len
     if payload_at + payload_len + _CHECKSUM.size != total:
         raise ChunkFormatError(
@@ -210,16 +284,21 @@ def parse_header(head: bytes | bytearray | memoryview, total: int, key: str | No
     bound = _KEY_DIGEST.unpack_from(buf, digest_at)[0] if flags & KEY_BOUND else None
     if key is not None:
         _check_binding(bound, key)
+    values = None
+    if flags & VALUE_DIGEST:
+        values = ValueDigest(*_VALUE_DIGEST.unpack_from(buf, value_at))
+        _check_segment(values.segment)
     config = _load_config(buf[config_at:payload_at])
-    return ChunkHeader(VERSION, dtype, shape, config, payload_at, payload_len, bound, tokens)
+    return ChunkHeader(VERSION, dtype, shape, config, payload_at, payload_len, bound, tokens, values)
 
 
-def _sections(buf: memoryview, ndim: int, flags: int) -> tuple[int, TokenDigests | None, int]:
-    """Where the key digest starts, the token digests (validated), and where the codec config starts."""
+def _sections(buf: memoryview, ndim: int, flags: int) -> tuple[int, TokenDigests | None, int, int]:
+    """The optional sections between the shape and the codec config, in flag order: where the key digest starts,
+    the token digests (validated), where the value digest starts, and where the codec config starts."""
     digest_at = _FIXED.size + 4 * ndim
     tokens_at = digest_at + (_KEY_DIGEST.size if flags & KEY_BOUND else 0)
     if not flags & TOKEN_DIGESTS:
-        return digest_at, None, tokens_at
+        return digest_at, None, tokens_at, tokens_at + (_VALUE_DIGEST.size if flags & VALUE_DIGEST else 0)
     if len(buf) < tokens_at + _DIGESTS_HEAD.size:
         raise ChunkFormatError(f"header of at least {tokens_at + _DIGESTS_HEAD.size} bytes, only {len(buf)} given")
     unit, count = _DIGESTS_HEAD.unpack_from(buf, tokens_at)
@@ -229,7 +308,7 @@ def _sections(buf: memoryview, ndim: int, flags: int) -> tuple[int, TokenDigests
     end = at + count * TOKEN_DIGEST_BYTES
     if len(buf) < end:
         raise ChunkFormatError(f"header of at least {end} bytes, only {len(buf)} given")
-    return digest_at, TokenDigests(unit, bytes(buf[at:end])), end
+    return digest_at, TokenDigests(unit, bytes(buf[at:end])), end, end + (_VALUE_DIGEST.size if flags & VALUE_DIGEST else 0)
 
 
 def _fixed_fields(buf: memoryview) -> tuple[Any, ...]:
@@ -288,6 +367,7 @@ def decode_payload(blob: bytes | bytearray | memoryview, header: ChunkHeader, *,
     bits = decode(payload, header.dtype, header.shape)
     if bits.shape != header.shape or bits.dtype != header.dtype.bits_dtype:
         raise ChunkFormatError(f"codec {header.codec_id!r} produced {bits.shape}/{bits.dtype}, not {header.shape}")
+    verify_value_digest(bits, header)
     return bits_to_tensor(bits, header.dtype)
 
 
@@ -302,6 +382,8 @@ def decode_payload_into(blob: bytes | bytearray | memoryview, header: ChunkHeade
     False, having written nothing, where it cannot: decode and copy instead.
     """
     if sys.byteorder != "little":  # the kernels write the values' bytes as this host orders them
+        return False
+    if header.value_digest is not None:  # checked on the decoded values: decode, check, then copy
         return False
     payload = payload_of(blob, header)
     return _codec_for(header).decode_into(payload, header.dtype, header.shape, extents)
@@ -348,7 +430,7 @@ def _load_config(raw: memoryview) -> dict[str, Any]:
 
 
 __all__ = [
-    "ChunkFormatError", "ChunkHeader", "KEY_BOUND", "KVCodecError", "MAGIC", "TOKEN_DIGESTS", "TokenDigests", "VERSION",
-    "build_chunk", "decode_chunk", "decode_payload", "encode_chunk", "header_length", "key_digest", "parse_header",
-    "read_header", "verify_checksum",
+    "ChunkFormatError", "ChunkHeader", "KEY_BOUND", "KVCodecError", "MAGIC", "TOKEN_DIGESTS", "TokenDigests",
+    "VALUE_DIGEST", "VERSION", "ValueDigest", "build_chunk", "decode_chunk", "decode_payload", "digest_segments", "encode_chunk", "header_length", "key_digest",
+    "parse_header", "read_header", "value_digest", "verify_checksum", "verify_value_digest",
 ]

@@ -476,6 +476,7 @@ def test_encoder_auto_is_x265_without_nvenc_and_stores_nothing_of_it(real_chunk:
 def test_nvenc_stream_decodes_with_libav_and_nvdec(real_chunk: torch.Tensor) -> None:
     """Where the GPU has NVENC: its stream is decoded by the CPU decoder (libav, inside encode's verify and here)
     and by NVDEC, bit-exactly; x265's stream by NVDEC too."""
+    from vllm_kvcodec.device_chunks import decode_video_chunk_nvdec
     from vllm_kvcodec.gpu import nvcodec
 
     ok, reason = nvcodec.nvenc_usable()
@@ -485,5 +486,5 @@ def test_nvenc_stream_decodes_with_libav_and_nvdec(real_chunk: torch.Tensor) -> 
     for encoder in ("nvenc", "x265"):
         blob = encode_chunk(kv, "video", encoder=encoder)
         assert same_bits(decode_chunk(blob), kv)
-        got = nvcodec.decode_video_chunk_nvdec(blob, "cuda")
+        got = decode_video_chunk_nvdec(blob, "cuda")
         assert same_bits(got.cpu(), kv)

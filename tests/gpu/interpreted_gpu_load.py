@@ -281,27 +281,26 @@ def test_save_gather_hands_the_saver_what_the_cpu_gather_would(real_kv_1k) -> No
     fetcher.shutdown()
 
 
-# ---- video objects: NVDEC's place in the load path (libav standing in for the decoder session) -------------
+# ---- video objects: NVDEC's place in the load path (the PyNvVideoCodec 2.0.4 stand-in, libav behind it) ----------
 
+from vllm_kvcodec.device_chunks import parse_video_payload  # noqa: E402
 from vllm_kvcodec.format import build_chunk, read_header  # noqa: E402
-from vllm_kvcodec.gpu import nvcodec  # noqa: E402
 from vllm_kvcodec.gpu.nvdec_join_triton import READBACK_BYTES, exponent_digest_into, finish_xxh3, join_exponents  # noqa: E402
-from vllm_kvcodec.gpu.nvdec_sessions import LibavSession  # noqa: E402
+from vllm_kvcodec.gpu.nvdec_sessions import NvdecSessions  # noqa: E402
+from vllm_kvcodec.tools.gpu_nvc_stand_in import LibavPictures, StandInNvc  # noqa: E402
 
 
-class _CountingLibav(LibavSession):
-    """The libav stand-in, counting sessions made (they must be reused, not made per object)."""
-
-    made = 0
-
-    def __init__(self, device) -> None:
-        super().__init__(device)
-        type(self).made += 1
+def _stand_in(**options) -> NvdecSessions:
+    """The product's NVDEC sessions over the stand-in of PyNvVideoCodec 2.0.4."""
+    return NvdecSessions(StandInNvc(**options))
 
 
-def _video_run(sc, caches, stats=None, sessions=_CountingLibav, timeout=120.0, threads=2):
+_DEFAULT = object()
+
+
+def _video_run(sc, caches, stats=None, sessions=_DEFAULT, timeout=120.0, threads=2):
     fetcher = CudaFetcher(sc.store, sc.addresses, caches, _layouts(sc), threads, stats or ConnectorStats(),
-                          video_sessions=sessions)
+                          video_sessions=_stand_in() if sessions is _DEFAULT else sessions)
     try:
         job = fetcher.submit(sc.specs, timeout)
         assert job.done.wait(timeout)
@@ -333,6 +332,22 @@ def test_join_and_checksum_kernels_match_the_cpu() -> None:
         assert finish_xxh3(back.numpy().tobytes(), geo.n) == xxhash.xxh3_64_intdigest(exps.tobytes()), shape
 
 
+def test_value_digest_kernel_matches_the_format() -> None:
+    """One program per segment on the device gives the chunk format's value digest (vllm_kvcodec.format), for inputs
+    short and long, one segment or many, with a short tail joined to the segment before or not."""
+    from vllm_kvcodec.format import value_digest
+    from vllm_kvcodec.gpu.value_digest_triton import finish_value_digest, readback_bytes, value_digest_into
+
+    gen = torch.Generator().manual_seed(12)
+    for nbytes, segment in [(1, 1024), (240, 1024), (241, 1024), (1024, 1024), (1264, 1024), (1265, 1024),
+                            (5000, 1024), (3 * 4096 + 241, 4096), (40001, 16384)]:
+        data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        back = torch.zeros(readback_bytes(nbytes, segment), dtype=torch.uint8)
+        value_digest_into(data, segment, back)
+        got = finish_value_digest(back.numpy().tobytes(), nbytes, segment)
+        assert got == value_digest(data.numpy().tobytes(), segment), (nbytes, segment)
+
+
 def _video_scenario(real_kv_1k, codecs=("video", "splitzip"), seed=20, first_token=5):
     pytest.importorskip("av")
     return _scenario(real_kv_1k, list(codecs), seed=seed, first_token=first_token)
@@ -342,14 +357,14 @@ def test_gpu_fetcher_decodes_video_objects_bit_exactly(real_kv_1k) -> None:
     sc = _video_scenario(real_kv_1k)
     gpu, cpu = sc.caches("cpu"), sc.caches("cpu")
     stats = ConnectorStats()
-    _CountingLibav.made = 0
-    job, fetcher = _video_run(sc, gpu, stats)
+    sessions = _stand_in()
+    job, fetcher = _video_run(sc, gpu, stats, sessions)
     _run(Fetcher, sc, cpu)
     assert not job.failed_blocks
     assert lc.caches_equal(gpu, cpu) and lc.caches_equal(gpu, sc.expected())
     totals = stats.totals()
     assert totals["gpu_decoded_objects"] == 8 and totals["codec_video_loads"] == 4  # video and splitzip: all on the device
-    assert 1 <= _CountingLibav.made <= 2  # 4 video objects, 2 fetch threads: sessions reused
+    assert 1 <= len(sessions.nvc.decoders) <= 2  # 4 video objects of one size, 2 fetch threads: sessions reused
     assert fetcher.placement.nvdec.unavailable is None
 
 
@@ -363,7 +378,7 @@ def _rewrap(sc, chunk, group, change) -> None:
 
 
 def _stream_at(payload: bytearray, head) -> int:
-    parsed = nvcodec.parse_video_payload(bytes(payload), head.shape)
+    parsed = parse_video_payload(bytes(payload), head.shape)
     return len(payload) - len(parsed.stream)
 
 
@@ -378,7 +393,7 @@ def test_gpu_fetcher_fails_damaged_video_objects_and_writes_nothing(real_kv_1k) 
         return payload
 
     def wrong_sizes(payload, head):  # packet table no longer sums to the stream
-        parsed = nvcodec.parse_video_payload(bytes(payload), head.shape)
+        parsed = parse_video_payload(bytes(payload), head.shape)
         at = _stream_at(payload, head) - 4 * parsed.frames
         payload[at] ^= 1
         return payload
@@ -399,18 +414,29 @@ def test_gpu_fetcher_fails_damaged_video_objects_and_writes_nothing(real_kv_1k) 
     assert lc.caches_equal(gpu, sc.expected(failed)) and lc.caches_equal(gpu, cpu)
 
 
-class _WrongPictures(LibavSession):
-    """A decoder that returns a picture with one exponent changed (what concealment would do)."""
+class _ConcealingPictures(LibavPictures):
+    """A decoder that returns every picture with one exponent changed (what concealment would do)."""
 
-    def decode_into(self, packets, width, height, out) -> None:
-        super().decode_into(packets, width, height, out)
-        out[0, 0, 0, 0] ^= 1
+    def __call__(self, packet: bytes):
+        picture = super().__call__(packet)
+        if picture is not None:
+            picture = picture.copy()
+            picture[0, 0, 0] ^= 1
+        return picture
 
 
-def test_device_checksum_catches_a_decoder_that_lies(real_kv_1k) -> None:
+@pytest.mark.parametrize("digest", ["value digest", "exponent hash"])
+def test_device_checksum_catches_a_decoder_that_lies(real_kv_1k, digest: str) -> None:
+    """Both checks a video object may carry catch it on the device: the value digest (new chunks) and the payload's
+    exponent hash (chunks written before the value digest)."""
     sc = _video_scenario(real_kv_1k, codecs=("video",), seed=22)
+    if digest == "exponent hash":  # rewrap each object without its value digest, as an older writer stored it
+        for spec in sc.specs:
+            for chunk in spec.chunks:
+                for group in range(len(sc.addresses.groups)):
+                    _rewrap(sc, chunk, group, lambda payload, head: payload)
     gpu = sc.caches("cpu")
-    job, _ = _video_run(sc, gpu, sessions=_WrongPictures)
+    job, _ = _video_run(sc, gpu, sessions=NvdecSessions(StandInNvc(pictures=_ConcealingPictures)))
     every = {b for spec in sc.specs for c in spec.chunks for b in c.block_ids}
     assert job.failed_blocks == every
     assert lc.caches_equal(gpu, sc.caches("cpu"))  # nothing written
@@ -429,11 +455,75 @@ def test_without_nvdec_video_objects_decode_on_the_cpu_logged_once(real_kv_1k, c
     assert stats.totals()["gpu_decoded_objects"] == 4  # the splitzip ones only
 
 
+@pytest.mark.parametrize("engines,threads,want", [(3, 4, 3), (7, 4, 4)])
+def test_session_pool_is_sized_from_the_engines_whatever_the_factory(real_kv_1k, engines, threads, want) -> None:
+    """min(NVDEC engines, fetch threads), the engines from the factory's library caps (issue 43, item 1: a given
+    factory left the size unset and the pool held one session)."""
+    sc = _video_scenario(real_kv_1k, codecs=("video",), seed=26)
+    gpu = sc.caches("cpu")
+    job, fetcher = _video_run(sc, gpu, sessions=_stand_in(engines=engines), threads=threads)
+    assert not job.failed_blocks and lc.caches_equal(gpu, sc.expected())
+    assert fetcher.placement.nvdec.sessions == want
+
+
+def test_gpu_fetcher_decodes_objects_of_two_picture_sizes(real_kv_1k) -> None:
+    """5 layers in objects of 4: the last group's object has 1 layer, so its pictures are shorter (144 rows, the
+    others 176). Each size gets its own decoder (a 2.0.4 decoder scales a smaller picture to its first size and
+    refuses a larger one): every object bit-exact, no decoder ever handed a second size."""
+    pytest.importorskip("av")
+    kv = real_kv_1k[:5, :, :128].contiguous()
+    sc = lc.build(kv, chunk_size=64, layers_per_object=4, block_size=16, codecs=["video"], first_token=0, seed=27)
+    gpu = sc.caches("cpu")
+    sessions = _stand_in()
+    job, fetcher = _video_run(sc, gpu, sessions=sessions, threads=2)
+    assert not job.failed_blocks and lc.caches_equal(gpu, sc.expected())
+    heights = {d.size for d in sessions.nvc.decoders}
+    assert heights == {(192, 176), (192, 144)}
+    assert all(c["maxheight"] in (144, 176) for c in sessions.nvc.create_calls)
+
+
+def test_unsupported_turns_nvdec_off_once_and_the_cpu_decodes(real_kv_1k, caplog) -> None:
+    """A PyNvVCExceptionUnsupported from Decode (codec or size this GPU cannot decode) is not damage: NVDEC is turned
+    off once, logged, and every video object decodes on the CPU instead of failing."""
+    sc = _video_scenario(real_kv_1k, seed=28)
+    gpu = sc.caches("cpu")
+    with caplog.at_level("INFO", logger="vllm_kvcodec"):
+        job, fetcher = _video_run(sc, gpu, sessions=_stand_in(unsupported=True))
+    assert not job.failed_blocks and lc.caches_equal(gpu, sc.expected())
+    assert "PyNvVCExceptionUnsupported" in fetcher.placement.nvdec.unavailable
+    assert sum("NVDEC unavailable" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_splitzip_objects_with_a_value_digest_are_checked_on_the_device(real_kv_1k) -> None:
+    """SplitZip chunks that carry a value digest: decoded by the kernels, digested on the device; a chunk whose
+    digest disagrees with its (valid) payload fails before anything is written."""
+    from vllm_kvcodec.format import ValueDigest, value_digest
+
+    sc = _scenario(real_kv_1k, ["splitzip"], seed=29)
+    chunks = [c for spec in sc.specs for c in spec.chunks]
+    for i, chunk in enumerate(chunks):
+        key = sc.addresses.key(chunk.chunk_hash, 0)
+        head = read_header(sc.store.get(key), key=key)
+        at = sc.index[chunk.chunk_hash] * sc.chunk_size
+        values = sc.kv[0:2, :, at : at + sc.chunk_size].contiguous().view(torch.int16).numpy().tobytes()
+        digest = value_digest(values, 1024) ^ (i == 1)
+        blob = sc.store.get(key)
+        payload = memoryview(blob)[head.payload_offset : head.payload_offset + head.payload_length]
+        sc.store.put(key, build_chunk(payload, head.dtype, head.shape, head.codec_config, key=key,
+                                      value_digest=ValueDigest(1024, digest)))
+    gpu = sc.caches("cpu")
+    stats = ConnectorStats()
+    job = _run(CudaFetcher, sc, gpu, stats)
+    assert job.failed_blocks == set(chunks[1].block_ids)
+    assert lc.caches_equal(gpu, sc.expected({(chunks[1].chunk_hash, 0)}))
+    assert stats.totals()["gpu_decoded_objects"] == 2 * len(chunks) - 1
+
+
 def test_gpu_fetcher_cancel_with_video_objects_writes_nothing_late(real_kv_1k) -> None:
     sc = _video_scenario(real_kv_1k, seed=24)
     gated = _GatedStore(sc.store, "g001")
     caches = sc.caches("cpu")
-    fetcher = CudaFetcher(gated, sc.addresses, caches, _layouts(sc), 2, ConnectorStats(), video_sessions=LibavSession)
+    fetcher = CudaFetcher(gated, sc.addresses, caches, _layouts(sc), 2, ConnectorStats(), video_sessions=_stand_in())
     try:
         job = fetcher.submit(sc.specs, 120)
         assert job.wait_layer(0, job.deadline)

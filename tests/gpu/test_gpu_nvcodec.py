@@ -1,9 +1,13 @@
-"""NVDEC path of the video codec (vllm_kvcodec/gpu/nvcodec.py), as far as a CPU can check it.
+"""NVDEC/NVENC path of the video codec (gpu/nvcodec.py, gpu/nvdec_sessions.py, device_chunks.py) on a CPU.
 
 No NVIDIA driver here: PyNvVideoCodec must be reported unavailable with a
 reason, never raise at import. The code after the decoder (payload parsing,
 cropping, joining, the exponent checksum) runs on CPU tensors with libav
-decoding the same HEVC stream in NVDEC's place.
+decoding the same HEVC stream in NVDEC's place, and the sessions run against
+:mod:`vllm_kvcodec.tools.gpu_nvc_stand_in`, a stand-in of PyNvVideoCodec
+2.0.4 that behaves as its wheel does (enum names, one picture size per
+decoder, frame buffers reused by the next Decode, its exception types,
+NVENC's list-of-dicts packets), so these tests fail where a device would.
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_kvcodec import device_chunks
 from vllm_kvcodec.errors import CodecError, ConfigError
 from vllm_kvcodec.gpu import nvcodec
+from vllm_kvcodec.gpu.nvdec_sessions import NvdecSession, NvdecSessions, SessionPool, decoder_caps, nvdec_engines
+from vllm_kvcodec.tools.gpu_nvc_stand_in import KnownPictures, PacketData, PyNvVCException, PyNvVCExceptionUnsupported, StandInNvc
 
 
 @pytest.fixture
@@ -48,7 +55,7 @@ def test_available_here_matches_reality() -> None:
 
 def test_payload_header_matches_the_video_codec() -> None:
     video = pytest.importorskip("vllm_kvcodec.codecs.video")
-    assert nvcodec.VIDEO_HEAD.format == video._HEAD.format
+    assert device_chunks.VIDEO_HEAD.format == video._HEAD.format
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +90,7 @@ def _payload(blob: bytes) -> tuple[memoryview, tuple[int, ...]]:
 def test_stream_is_annex_b_hevc(video_chunk) -> None:
     _, blob = video_chunk
     payload, shape = _payload(blob)
-    parsed = nvcodec.parse_video_payload(payload, shape)
+    parsed = device_chunks.parse_video_payload(payload, shape)
     assert (parsed.width, parsed.height, parsed.frames) == (192, 520, 2)
     stream = bytes(parsed.stream)
     assert stream.startswith(nvcodec.ANNEXB_START)
@@ -94,8 +101,8 @@ def test_stream_is_annex_b_hevc(video_chunk) -> None:
 def test_gpu_side_of_the_decode_is_bit_exact(video_chunk) -> None:
     kv, blob = video_chunk
     payload, shape = _payload(blob)
-    _libav_planes.sizes = nvcodec.parse_video_payload(payload, shape).packet_sizes
-    got = nvcodec.decode_video_chunk_nvdec(blob, "cpu", planes_decoder=_libav_planes)
+    _libav_planes.sizes = device_chunks.parse_video_payload(payload, shape).packet_sizes
+    got = device_chunks.decode_video_chunk_nvdec(blob, "cpu", planes_decoder=_libav_planes)
     assert got.dtype == torch.bfloat16 and got.shape == kv.shape
     assert torch.equal(got.view(torch.int16), kv.view(torch.int16))
 
@@ -103,7 +110,7 @@ def test_gpu_side_of_the_decode_is_bit_exact(video_chunk) -> None:
 def test_exponent_checksum_catches_a_wrong_picture(video_chunk) -> None:
     _, blob = video_chunk
     payload, shape = _payload(blob)
-    _libav_planes.sizes = nvcodec.parse_video_payload(payload, shape).packet_sizes
+    _libav_planes.sizes = device_chunks.parse_video_payload(payload, shape).packet_sizes
 
     def corrupt(*args):
         planes = _libav_planes(*args).clone()
@@ -111,18 +118,18 @@ def test_exponent_checksum_catches_a_wrong_picture(video_chunk) -> None:
         return planes
 
     with pytest.raises(CodecError, match="checksum"):
-        nvcodec.decode_video_chunk_nvdec(blob, "cpu", planes_decoder=corrupt)
+        device_chunks.decode_video_chunk_nvdec(blob, "cpu", planes_decoder=corrupt)
 
 
 def test_payload_validation(video_chunk) -> None:
     _, blob = video_chunk
     payload, shape = _payload(blob)
     with pytest.raises(CodecError):
-        nvcodec.parse_video_payload(payload[:-1], shape)
+        device_chunks.parse_video_payload(payload[:-1], shape)
     with pytest.raises(CodecError):
-        nvcodec.parse_video_payload(payload, (shape[0] + 1, *shape[1:]))
+        device_chunks.parse_video_payload(payload, (shape[0] + 1, *shape[1:]))
     with pytest.raises(CodecError):
-        nvcodec.parse_video_payload(payload[:10], shape)
+        device_chunks.parse_video_payload(payload[:10], shape)
 
 
 def test_only_hevc_video_chunks(real_kv_1k: torch.Tensor) -> None:
@@ -130,13 +137,13 @@ def test_only_hevc_video_chunks(real_kv_1k: torch.Tensor) -> None:
 
     blob = encode_chunk(real_kv_1k[:1, :, :4].contiguous(), "splitzip")
     with pytest.raises(ConfigError, match="hevc"):
-        nvcodec.decode_video_chunk_nvdec(blob, "cpu")
+        device_chunks.decode_video_chunk_nvdec(blob, "cpu")
 
 
 def test_needs_the_library_for_the_real_decoder(video_chunk, no_pynvvideocodec) -> None:
     _, blob = video_chunk
     with pytest.raises(nvcodec.NvCodecUnavailable):
-        nvcodec.decode_video_chunk_nvdec(blob, "cuda")
+        device_chunks.decode_video_chunk_nvdec(blob, "cuda")
 
 
 class _FakeFrame:
@@ -173,104 +180,143 @@ def test_frame_planes_refuses_420() -> None:
         nvcodec._frame_planes(_FakeFrame(t, "Pixel_Format.NV12"), 144, 144, torch.device("cpu"))
 
 
-# ---- NvdecSession against the calls PyNvVideoCodec 2.0.4 offers (libav behind them) ---------------------------
 
-#: CreateDecoder's keywords in 2.0.4 (its pybind signature and docstring; 2.2.4 has the same).
-CREATE_DECODER_2_0_4 = {"gpuid", "codec", "cudacontext", "cudastream", "usedevicememory", "enableasyncallocations",
-                        "maxwidth", "maxheight", "outputColorType", "enableSEIMessage", "bWaitForSessionWarmUp",
-                        "latency", "enableDecodeStats"}
+# ---- the stand-in behaves as PyNvVideoCodec 2.0.4 does (issue 43, item 9) ---------------------------------------
 
 
-class _Enum:
-    def __init__(self, *names: str) -> None:
-        for name in names:
-            setattr(self, name, f"<{name}>")
+def _packet(data: bytes, nvc: StandInNvc) -> tuple[PacketData, np.ndarray]:
+    buf = np.frombuffer(data, dtype=np.uint8)
+    packet = PacketData()
+    packet.bsl_data, packet.bsl, packet.decode_flag = buf.ctypes.data, buf.size, nvc.VideoPacketFlag.ENDOFPICTURE
+    return packet, buf
 
 
-class _PacketData:
-    """2.0.4's PacketData: these read-write fields and no others."""
+def _one_picture_stream(real_kv_1k: torch.Tensor, tokens: int) -> tuple[bytes, np.ndarray]:
+    """A one-picture HEVC packet of real exponents and the picture it holds ([3, h, w])."""
+    from vllm_kvcodec.codecs import video_av
+    from vllm_kvcodec.codecs.video_layout import geometry, to_planes
 
-    __slots__ = ("key", "pts", "dts", "pos", "bsl", "bsl_data", "duration", "decode_flag", "stream_index",
-                 "is_video", "discardable", "seek_pts", "bDiscontinuity")
-
-
-class _Decoder:
-    """Decode(PacketData) -> [frames]; one libav HEVC decoder reused across streams, as a session reuses NVDEC."""
-
-    def __init__(self) -> None:
-        import av
-
-        self.ctx = av.CodecContext.create("hevc", "r")
-        self.calls = 0
-
-    def Decode(self, packet: _PacketData) -> list:  # noqa: N802 - PyNvVideoCodec's name
-        import ctypes
-
-        import av
-
-        assert packet.decode_flag == "<ENDOFPICTURE>"
-        self.calls += 1
-        data = ctypes.string_at(packet.bsl_data, packet.bsl)
-        frames = []
-        for f in self.ctx.decode(av.Packet(data)):
-            planes = np.stack([np.frombuffer(f.planes[p], np.uint8).reshape(f.height, -1)[:, : f.width] for p in range(3)])
-            frames.append(_FakeFrame(torch.from_numpy(planes.reshape(3 * f.height, f.width).copy())))
-        return frames
+    kv = real_kv_1k[:2, :, :tokens].contiguous()
+    exps = ((kv.view(torch.int16).view(-1).numpy().view("<u2") >> 7) & 0xFF).astype("u1")
+    geo = geometry(tuple(kv.shape))
+    planes = to_planes(exps, geo)[:1]
+    (packet,) = video_av.encode_pictures(planes, "hevc", None, 1)
+    return bytes(packet), planes[0]
 
 
-class _FakeNvc:
-    """The part of PyNvVideoCodec 2.0.4 that vllm_kvcodec may call; anything else is an AttributeError."""
-
-    cudaVideoCodec = _Enum("HEVC", "H264", "MPEG2")
-    cudaVideoChromaFormat = _Enum("YUV420", "YUV444")
-    DisplayDecodeLatencyType = _Enum("NATIVE", "LOW", "ZERO")
-    VideoPacketFlag = _Enum("ENDOFSTREAM", "ENDOFPICTURE")
-    PacketData = _PacketData
-
-    def __init__(self) -> None:
-        self.decoders: list[_Decoder] = []
-
-    def CreateDecoder(self, **kwargs):  # noqa: N802
-        unknown = set(kwargs) - CREATE_DECODER_2_0_4
-        assert not unknown, f"not a 2.0.4 CreateDecoder keyword: {unknown}"
-        assert kwargs["usedevicememory"] is True and kwargs["latency"] == "<ZERO>" and kwargs["codec"] == "<HEVC>"
-        self.decoders.append(_Decoder())
-        return self.decoders[-1]
-
-    def GetDecoderCaps(self, **kwargs):  # noqa: N802
-        assert set(kwargs) == {"gpuid", "codec", "chromaformat", "bitdepth"}
-        return {"num_decoder_engines": 7}
+def test_stand_in_has_the_real_enum_names_and_caps_dict() -> None:
+    nvc = StandInNvc()
+    assert not hasattr(nvc.cudaVideoChromaFormat, "YUV444")
+    assert sorted(nvc.cudaVideoChromaFormat.__members__) == ["420", "422", "444", "Monochrome"]
+    caps = nvc.GetDecoderCaps(gpuid=0, codec=nvc.cudaVideoCodec.HEVC,
+                              chromaformat=getattr(nvc.cudaVideoChromaFormat, "444"), bitdepth=8)
+    assert isinstance(caps, dict) and caps["supported"] == 1 and caps["num_decoder_engines"] == 7
 
 
-def test_session_uses_only_2_0_4_calls_and_is_reused(real_kv_1k: torch.Tensor) -> None:
+def test_stand_in_decoder_is_sized_by_its_first_picture_and_reuses_its_frame_buffer(real_kv_1k) -> None:
+    pytest.importorskip("av")
+    big, big_picture = _one_picture_stream(real_kv_1k, 200)  # 192 x 272
+    small, small_picture = _one_picture_stream(real_kv_1k, 20)  # 192 x 144
+    nvc = StandInNvc()
+    dec = nvc.CreateDecoder(gpuid=0, codec=nvc.cudaVideoCodec.HEVC, usedevicememory=True,
+                            latency=nvc.DisplayDecodeLatencyType.ZERO)
+    (first,) = dec.Decode(_packet(big, nvc)[0])
+    view = torch.from_dlpack(first)
+    assert torch.equal(view.reshape(big_picture.shape), torch.from_numpy(big_picture))
+    (second,) = dec.Decode(_packet(small, nvc)[0])  # a smaller picture: scaled to the first size
+    assert tuple(torch.from_dlpack(second).shape) == (3 * 272, 192)
+    assert not torch.equal(view.reshape(big_picture.shape), torch.from_numpy(big_picture))  # overwritten in place
+    dec = nvc.CreateDecoder(gpuid=0, codec=nvc.cudaVideoCodec.HEVC, maxwidth=192, maxheight=144)
+    dec.Decode(_packet(small, nvc)[0])
+    with pytest.raises(PyNvVCException, match="Reconfigure Not supported when width/height > maxwidth/maxheight"):
+        dec.Decode(_packet(big, nvc)[0])
+    with pytest.raises(PyNvVCExceptionUnsupported):
+        StandInNvc(unsupported=True).CreateDecoder(codec=nvc.cudaVideoCodec.HEVC).Decode(_packet(small, nvc)[0])
+
+
+# ---- sessions: one per picture size, sized pool, real caps member (items 1, 3, 6, 8) ------------------------------
+
+
+def test_caps_query_uses_the_real_4_4_4_member() -> None:
+    """2.0.4 has no cudaVideoChromaFormat.YUV444: the caps come from GetDecoderCaps with member '444', not a table."""
+    nvc = StandInNvc(engines=5, max_size=(4096, 2304))
+    caps = decoder_caps(torch.device("cpu"), nvc)
+    assert caps["source"] == "GetDecoderCaps" and caps["supported"] is True
+    assert (caps["engines"], caps["width_max"], caps["height_max"], caps["width_min"]) == (5, 4096, 2304, 144)
+    assert nvdec_engines(torch.device("cpu"), nvc) == 5
+
+
+@pytest.mark.parametrize("tokens", [(52, 20, 52, 80, 20)])
+def test_sessions_are_per_picture_size_and_reused(real_kv_1k: torch.Tensor, tokens) -> None:
+    """Full chunks and tails have pictures of different heights: each size gets its own decoder, made with that
+    size as its maximum, reused for that size only; every chunk bit-exact."""
     pytest.importorskip("av")
     from vllm_kvcodec.format import encode_chunk
-    from vllm_kvcodec.gpu.nvdec_sessions import NvdecSession, nvdec_engines
 
-    nvc = _FakeNvc()
-    session = NvdecSession(torch.device("cpu"), nvc)
-    for tokens in (52, 20, 52):  # three streams, two picture sizes, one decoder
-        kv = real_kv_1k[:, :, :tokens].contiguous()
-        blob = encode_chunk(kv, "video")
-        got = nvcodec.decode_video_chunk_nvdec(blob, "cpu", session=session)
-        assert torch.equal(got.view(torch.int16), kv.view(torch.int16))
-    assert len(nvc.decoders) == 1 and session.streams_decoded == 3
-    assert nvdec_engines(torch.device("cpu"), nvc) == 7
+    nvc = StandInNvc()
+    pool = SessionPool(lambda: NvdecSession(torch.device("cpu"), nvc), 4)
+    for t in tokens:
+        kv = real_kv_1k[:, :, :t].contiguous()
+        got = device_chunks.decode_video_chunk_nvdec(encode_chunk(kv, "video"), "cpu", session=pool)
+        assert torch.equal(got.view(torch.int16), kv.view(torch.int16)), t
+    sizes = {(c["maxwidth"], c["maxheight"]) for c in nvc.create_calls}
+    assert len(nvc.decoders) == pool.created == len(sizes) == 3 and pool.evicted == 0
+    assert all(c["usedevicememory"] is True and c["latency"] is nvc.DisplayDecodeLatencyType.ZERO for c in nvc.create_calls)
+
+
+def _parsed_and_out(video_chunk) -> tuple:
+    """The fixture chunk's parsed payload and a picture buffer for it."""
+    payload, shape = _payload(video_chunk[1])
+    parsed = device_chunks.parse_video_payload(payload, shape)
+    return parsed, torch.empty((parsed.frames, 3, parsed.height, parsed.width), dtype=torch.uint8)
+
+
+def test_a_session_refuses_another_picture_size(video_chunk) -> None:
+    parsed, out = _parsed_and_out(video_chunk)
+    session = NvdecSession(torch.device("cpu"), StandInNvc())
+    session.decode_into(parsed.packets(), parsed.width, parsed.height, out)
+    with pytest.raises(ValueError, match="handed"):
+        session.decode_into(parsed.packets(), parsed.width, parsed.height + 8, out)
+
+
+def test_pool_makes_room_from_the_least_recently_used_idle_size() -> None:
+    made: list[object] = []
+
+    class Session:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    pool = SessionPool(lambda: made.append(Session()) or made[-1], 2)
+    for key in ("a", "b", "a", "c", "b"):
+        with pool.take(key):
+            pass
+    assert pool.created == 4 and pool.evicted == 2 and pool.live == 2  # c evicts b (LRU), b then evicts a
+    assert [s.closed for s in made] == [True, True, False, False]
+
+
+def test_unsupported_is_unavailability_not_damage(video_chunk) -> None:
+    """PyNvVCExceptionUnsupported during Decode turns NVDEC off (NvCodecUnavailable); PyNvVCException is damage."""
+    parsed, out = _parsed_and_out(video_chunk)
+    with pytest.raises(nvcodec.NvCodecUnavailable, match="PyNvVCExceptionUnsupported"):
+        NvdecSession(torch.device("cpu"), StandInNvc(unsupported=True)).decode_into(
+            parsed.packets(), parsed.width, parsed.height, out)
+    with pytest.raises(nvcodec.NvCodecUnavailable, match="outside this GPU"):
+        NvdecSession(torch.device("cpu"), StandInNvc(max_size=(4096, 160))).decode_into(
+            parsed.packets(), parsed.width, parsed.height, out)
+    unparsable = StandInNvc(pictures=lambda: KnownPictures({}))  # every packet raises PyNvVCException
+    with pytest.raises(CodecError, match="PyNvVCException"):
+        NvdecSession(torch.device("cpu"), unparsable).decode_into(parsed.packets(), parsed.width, parsed.height, out)
 
 
 def test_session_refuses_a_stream_that_gives_no_picture(video_chunk) -> None:
     """A packet that holds no picture (here: only the stream's VPS): an error, never a missing picture."""
-    from vllm_kvcodec.gpu.nvdec_sessions import NvdecSession
-
-    _, blob = video_chunk
-    payload, shape = _payload(blob)
-    parsed = nvcodec.parse_video_payload(payload, shape)
-    session = NvdecSession(torch.device("cpu"), _FakeNvc())
-    out = torch.empty((parsed.frames, 3, parsed.height, parsed.width), dtype=torch.uint8)
-    packets = nvcodec.split_packets(parsed.stream, parsed.packet_sizes)
+    parsed, out = _parsed_and_out(video_chunk)
+    session = NvdecSession(torch.device("cpu"), StandInNvc())
+    first = bytes(parsed.packets()[0])
+    vps_only = first[: first.index(nvcodec.ANNEXB_START, 4)]
     with pytest.raises(CodecError, match="decode|pictures"):
-        first = bytes(packets[0])
-        vps_only = first[: first.index(nvcodec.ANNEXB_START, 4)]
         session.decode_into([memoryview(vps_only)], parsed.width, parsed.height, out[:1])
 
 
@@ -278,8 +324,6 @@ def test_session_pool_bounds_reuses_and_replaces_failed_sessions() -> None:
     """At most ``size`` sessions; a session whose decode raised is dropped, and a thread waiting meanwhile makes
     the replacement instead of waiting forever."""
     import threading
-
-    from vllm_kvcodec.gpu.nvdec_sessions import SessionPool
 
     class Session:
         def __init__(self) -> None:
@@ -323,10 +367,73 @@ def test_access_units_are_the_payloads_packets(real_kv_1k: torch.Tensor, tokens:
 
     blob = encode_chunk(real_kv_1k[:, :, :tokens].contiguous(), "video")
     payload, shape = _payload(blob)
-    parsed = nvcodec.parse_video_payload(payload, shape)
+    parsed = device_chunks.parse_video_payload(payload, shape)
     units = nvcodec.access_units(parsed.stream)
     assert [len(u) for u in units] == list(parsed.packet_sizes)
-    session = __import__("vllm_kvcodec.gpu.nvdec_sessions", fromlist=["x"]).NvdecSession(torch.device("cpu"), _FakeNvc())
+    session = NvdecSessions(StandInNvc())(torch.device("cpu"))
     planes = nvcodec.nvdec_decode_planes(parsed.stream, parsed.width, parsed.height, parsed.frames, "cpu", session=session)
     assert torch.equal(nvcodec.planes_to_exponents(planes, parsed.geometry),
                        ((real_kv_1k[:, :, :tokens].contiguous().view(torch.int16).view(-1) >> 7) & 0xFF).to(torch.uint8))
+
+
+# ---- NVENC returns lists of dicts (item 7) ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def stand_in_library(monkeypatch: pytest.MonkeyPatch):
+    """Make ``nvcodec`` find the stand-in as its PyNvVideoCodec."""
+    def install(nvc: StandInNvc) -> StandInNvc:
+        monkeypatch.setattr(nvcodec, "_NVC", nvc)
+        return nvc
+
+    yield install
+    nvcodec._reset_import_cache()
+
+
+def test_nvenc_packets_are_read_from_lists_of_dicts(real_kv_1k: torch.Tensor, stand_in_library) -> None:
+    """2.0.4's Encode/EndEncode return [{'data': bytes, ...}] (empty while NVENC holds a picture back): one packet
+    per picture comes out, and libav decodes them to the same pictures."""
+    pytest.importorskip("av")
+    from vllm_kvcodec.codecs import video_av
+    from vllm_kvcodec.codecs.video_layout import geometry, to_planes
+
+    stand_in_library(StandInNvc(nvenc=True))
+    kv = real_kv_1k[:, :, :60].contiguous()
+    exps = ((kv.view(torch.int16).view(-1).numpy().view("<u2") >> 7) & 0xFF).astype("u1")
+    geo = geometry(tuple(kv.shape))
+    planes = to_planes(exps, geo)
+    packets = nvcodec.nvenc_encode_pictures(planes)
+    assert len(packets) == geo.frames > 1 and all(isinstance(p, bytes) and p for p in packets)
+    back = video_av.decode_pictures([memoryview(p) for p in packets], "hevc", geo.width, geo.height)
+    assert np.array_equal(back, planes)
+    assert nvcodec.encoded_packets([{"data": b"", "timestamp": 0, "picture_type": 0}]) == []
+
+
+# ---- PyNvVideoCodec's __init__ needs NVENC's library; its decoder module does not (item 4) ------------------------
+
+
+@pytest.fixture
+def package_without_nvenc(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """A PyNvVideoCodec whose __init__ fails as 2.0.4's does without libnvidia-encode, beside a native decoder module
+    (a source file standing in for PyNvVideoCodec_130.cpython-*.so)."""
+    pkg = tmp_path / "PyNvVideoCodec"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('raise RuntimeError("libnvidia-encode.so.1: cannot open shared object file")\n')
+    (pkg / "PyNvVideoCodec_130.py").write_text("MARK = 'the decoder module, loaded by path'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "PyNvVideoCodec", raising=False)
+    monkeypatch.setattr(nvcodec, "DECODER_SUFFIXES", (".py",))
+    nvcodec._reset_import_cache()
+    yield
+    nvcodec._reset_import_cache()
+
+
+def test_decoder_module_loads_where_only_the_encoder_library_is_missing(package_without_nvenc, monkeypatch) -> None:
+    monkeypatch.setattr(nvcodec, "have_library", lambda name: name == nvcodec.NVCUVID)
+    assert nvcodec._import_nvc().MARK == "the decoder module, loaded by path"
+
+
+def test_without_either_video_library_nvdec_is_unavailable(package_without_nvenc, monkeypatch) -> None:
+    monkeypatch.setattr(nvcodec, "have_library", lambda name: False)
+    with pytest.raises(nvcodec.NvCodecUnavailable, match="libnvidia-encode"):
+        nvcodec._import_nvc()

@@ -182,8 +182,8 @@ def cuda_decode_paths(device: torch.device, decode_threads: int) -> dict[str, De
     """The decode paths of a CUDA engine's fetcher: Triton SplitZip on ``device`` (bf16), and NVDEC for ``video``
     where it works here (as many sessions as the GPU has NVDEC engines, at most the threads). Codecs left out
     decode on the CPU threads."""
+    from vllm_kvcodec.device_chunks import SplitZipGPU, decode_video_chunk_nvdec
     from vllm_kvcodec.gpu import nvcodec
-    from vllm_kvcodec.gpu.splitzip_triton import SplitZipGPU
 
     gpu = SplitZipGPU()
 
@@ -194,12 +194,12 @@ def cuda_decode_paths(device: torch.device, decode_threads: int) -> dict[str, De
     paths = {"splitzip": DecodePath(on_device, 1, f"{device} (Triton)")}
     ok, _ = nvcodec.nvdec_available()
     if ok:
-        from vllm_kvcodec.gpu.nvdec_sessions import NvdecSession, nvdec_engines
+        from vllm_kvcodec.gpu.nvdec_sessions import NvdecSessions, SessionPool, nvdec_engines
 
-        session = NvdecSession(device)
+        sessions = SessionPool(lambda: NvdecSessions()(device), 1)  # one decoder per picture size, reused
 
         def nvdec(blob: bytes) -> None:
-            nvcodec.decode_video_chunk_nvdec(blob, device, session=session)
+            decode_video_chunk_nvdec(blob, device, session=sessions)
             torch.cuda.synchronize(device)
 
         paths["video"] = DecodePath(nvdec, min(nvdec_engines(device), max(1, decode_threads)), f"{device} (NVDEC)")

@@ -45,6 +45,12 @@ cropped exponents against ``exp_hash``: a stream that decodes, but not to the
 encoded exponents (concealed corruption, a decoder or encoder bug), raises
 :class:`~vllm_kvcodec.errors.CodecError` rather than returning wrong data.
 
+Every chunk this codec writes also carries the chunk format's value digest
+(flag ``VALUE_DIGEST``, segments of :attr:`VideoCodec.value_digest_segment`
+bytes, docs/format.md): a GPU checks NVDEC's output against it with one
+program per segment, where ``exp_hash`` (one sequential XXH3 walk) would cap
+the load at a few GB/s; ``exp_hash`` stays for chunks written before.
+
 float16 (5-bit exponent, 11 sign+mantissa bits) has no byte-aligned split:
 the codec refuses it (use ``zstd`` or ``raw``).
 """
@@ -76,6 +82,8 @@ _NVENC_FAILED: list[str] = []  # why NVENC gave up mid-run (logged once; x265 fr
 class VideoCodec(Codec):
     codec_id = "video"
     dtypes = frozenset({DType.BFLOAT16, DType.FLOAT32})
+    #: Chunks carry a value digest of this segment size (the format's ``encode_chunk`` reads it).
+    value_digest_segment = 16384
 
     def __init__(
         self,

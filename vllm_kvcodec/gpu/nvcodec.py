@@ -1,25 +1,29 @@
-"""NVDEC (and a probe of NVENC) for the ``video`` codec's HEVC streams, through PyNvVideoCodec.
+"""NVDEC and NVENC for the ``video`` codec's HEVC streams, through PyNvVideoCodec: device plumbing only.
 
 The ``video`` codec (:mod:`vllm_kvcodec.codecs.video`, docs/codec-video.md)
 stores a chunk's exponent bytes as 8-bit 4:4:4 pictures in a plain HEVC
 Annex B elementary stream (VPS/SPS/PPS, then one IDR per picture, no
-reordering), next to the raw sign+mantissa bytes. This module decodes that
-stream with NVDEC into a ``[frames, 3, height, width]`` uint8 tensor on the
-GPU, crops it to the exponent bytes, and joins them with the sign+mantissa
-bytes into the chunk's bfloat16 values, on the device.
+reordering). This module decodes such a stream with NVDEC into a ``[frames, 3,
+height, width]`` uint8 tensor on the GPU, crops and joins pictures (given a
+geometry), and encodes pictures with NVENC where a GPU has one. It reads no
+chunk format and imports no codec: what parses a chunk or a ``video`` payload
+for it is :mod:`vllm_kvcodec.device_chunks`, above both.
 
 ``PyNvVideoCodec`` is imported lazily, on first use, never at module import:
 without an NVIDIA driver ``import PyNvVideoCodec`` fails, and
 :func:`nvdec_available` returns ``(False, reason)`` instead of raising; the
 decode functions raise :class:`NvCodecUnavailable` carrying that reason.
+PyNvVideoCodec 2.0.4's ``__init__`` asks ``libnvidia-encode.so.1`` for its
+version before anything else, so where that library is missing but the
+decoder's ``libnvcuvid.so.1`` is there (a GPU without NVENC whose container
+mounts only the decoder), its native module is loaded directly
+(:func:`_load_decoder_module`): NVDEC works, NVENC does not.
 
-Status: NOT run on a GPU yet. The decoder calls are the subset PyNvVideoCodec
-2.0.4 (what ``vllm==0.33.0`` pins) and 2.2.4 both offer, read from both
-wheels (:mod:`.nvdec_sessions`); ``benchmarks/gpu_check.py`` is the first
-place they will run. Everything after the decoder (payload parsing, cropping,
-joining, the exponent checksum) is tested on the CPU with libav standing in
-for NVDEC (tests/gpu/test_gpu_nvcodec.py), and the session code against a
-stand-in module offering only 2.0.4's calls.
+Status: NOT run on a GPU yet. The calls are the subset PyNvVideoCodec 2.0.4
+(what ``vllm==0.33.0`` pins) and 2.2.4 both offer, read from both wheels
+(:mod:`.nvdec_sessions`); ``benchmarks/gpu_check.py`` is the first place they
+will run. Everything is tested on the CPU against a stand-in of 2.0.4's API
+with libav behind it (:mod:`vllm_kvcodec.tools.gpu_nvc_stand_in`).
 
 NVENC: H100/H200/A100 have none. Where a GPU has it (L4, L40S, RTX) the
 ``video`` codec's ``encoder="auto"`` encodes with :func:`nvenc_encode_pictures`
@@ -29,23 +33,27 @@ libav and NVDEC alike), else with x265 on the CPU; see docs/codec-video.md.
 
 from __future__ import annotations
 
-import dataclasses
+import ctypes
+import glob
 import importlib
+import importlib.machinery
 import importlib.util
-import struct
-import sys
+import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from vllm_kvcodec.errors import CodecError, ConfigError
 
-#: Layout of the video payload header (``video._HEAD``; the tests check they agree).
-VIDEO_HEAD = struct.Struct("<HHIQ")  # width, height, frames, xxh3-64 of the exponent bytes
 PLANES = 3
 ANNEXB_START = b"\x00\x00\x00\x01"
+#: The driver's video libraries: NVDEC's and NVENC's. A container gets them with the ``video`` driver capability.
+NVCUVID, NVENCODE = "libnvcuvid.so.1", "libnvidia-encode.so.1"
+#: PyNvVideoCodec's native modules, newest NVENC API first (2.0.4 picks one by the NVENC driver version).
+DECODER_MODULES = ("PyNvVideoCodec_130", "PyNvVideoCodec_121")
+DECODER_SUFFIXES = tuple(importlib.machinery.EXTENSION_SUFFIXES)
 
 
 class NvCodecUnavailable(ConfigError):
@@ -57,7 +65,7 @@ _NVC_ERROR: str | None = None
 
 
 def _import_nvc() -> Any:
-    """``import PyNvVideoCodec`` once; raise :class:`NvCodecUnavailable` with the reason if it fails."""
+    """``import PyNvVideoCodec`` once (else its decoder module directly); raise :class:`NvCodecUnavailable` if neither."""
     global _NVC, _NVC_ERROR
     if _NVC is not None:
         return _NVC
@@ -65,9 +73,51 @@ def _import_nvc() -> Any:
         try:
             _NVC = importlib.import_module("PyNvVideoCodec")
             return _NVC
-        except Exception as exc:  # noqa: BLE001 - ImportError, OSError (no libcuda/libnvcuvid), anything
-            _NVC_ERROR = f"PyNvVideoCodec is not importable ({type(exc).__name__}: {exc})"
+        except Exception as exc:  # noqa: BLE001 - ImportError, OSError (no libcuda/libnvcuvid), RuntimeError, anything
+            _NVC_ERROR = f"PyNvVideoCodec is not importable ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})"
+        if not have_library(NVENCODE) and have_library(NVCUVID):
+            try:
+                _NVC = _load_decoder_module()
+                return _NVC
+            except Exception as exc:  # noqa: BLE001
+                _NVC_ERROR += f"; its decoder module did not load either ({type(exc).__name__}: {exc})"
     raise NvCodecUnavailable(_NVC_ERROR)
+
+
+def have_library(name: str) -> bool:
+    """Whether the dynamic loader finds ``name`` (a driver library) in this process."""
+    try:
+        ctypes.CDLL(name)
+    except OSError:
+        return False
+    return True
+
+
+def driver_video_libraries() -> dict[str, bool]:
+    """Which of the driver's video libraries this process can load (both missing: no ``video`` capability)."""
+    return {name: have_library(name) for name in (NVCUVID, NVENCODE)}
+
+
+def _load_decoder_module() -> Any:
+    """PyNvVideoCodec's native module loaded by path, bypassing the package ``__init__`` (which needs NVENC).
+
+    It holds ``CreateDecoder``, ``GetDecoderCaps``, ``PacketData`` and the
+    enums; it links ``libcuda`` and its own FFmpeg and CUDA runtime, and opens
+    ``libnvcuvid`` when a decoder is made. ``CreateEncoder`` (Python, in the
+    ``__init__``) is absent: NVENC stays unavailable.
+    """
+    spec = importlib.util.find_spec("PyNvVideoCodec")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("PyNvVideoCodec is not installed")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    for name in DECODER_MODULES:
+        for suffix in DECODER_SUFFIXES:
+            for path in sorted(glob.glob(os.path.join(glob.escape(str(folder)), name + suffix))):
+                module_spec = importlib.util.spec_from_file_location("_PyNvVideoCodec", path)
+                module = importlib.util.module_from_spec(module_spec)
+                module_spec.loader.exec_module(module)
+                return module
+    raise ImportError(f"no {' or '.join(DECODER_MODULES)} module in {folder}")
 
 
 def _reset_import_cache() -> None:
@@ -89,69 +139,8 @@ def nvdec_available() -> tuple[bool, str]:
 
 
 # --------------------------------------------------------------------------------------
-# The video payload (pure parsing; no PyNvVideoCodec)
+# Pictures -> values
 # --------------------------------------------------------------------------------------
-
-
-def _video_layout() -> Any:
-    """:mod:`vllm_kvcodec.codecs.video_layout`, also where the codecs package cannot import.
-
-    ``vllm_kvcodec.codecs`` imports every codec (numba, zstandard, PyAV...);
-    ``video_layout.py`` itself is plain numpy, so on a machine that lacks the
-    others (the GPU check's image) it is loaded from its file directly.
-    """
-    try:
-        return importlib.import_module("vllm_kvcodec.codecs.video_layout")
-    except ImportError:
-        name = "_vllm_kvcodec_video_layout"
-        if name in sys.modules:
-            return sys.modules[name]
-        path = Path(__file__).resolve().parents[1] / "codecs" / "video_layout.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return module
-
-
-@dataclasses.dataclass(frozen=True)
-class VideoPayload:
-    """A bfloat16 ``video`` payload, split and size-checked against its chunk shape."""
-
-    width: int
-    height: int
-    frames: int
-    exp_hash: int
-    signman: memoryview  # n bytes
-    packet_sizes: tuple[int, ...]
-    stream: memoryview  # the HEVC Annex B elementary stream (for backend "hevc")
-    geometry: Any  # video_layout.FrameGeometry
-
-
-def parse_video_payload(payload: bytes | memoryview, shape: tuple[int, ...]) -> VideoPayload:
-    """Check a bfloat16 ``video`` payload against ``shape`` (as the CPU decoder does) and split it."""
-    layout = _video_layout()
-    geo = layout.geometry(tuple(int(d) for d in shape))
-    buf = memoryview(payload).cast("B")
-    if len(buf) < VIDEO_HEAD.size:
-        raise CodecError("video payload is shorter than its header")
-    width, height, frames, exp_hash = VIDEO_HEAD.unpack_from(buf)
-    if (width, height, frames) != (geo.width, geo.height, geo.frames):
-        raise CodecError(
-            f"video payload promises {frames} pictures of {width}x{height}; "
-            f"shape {tuple(shape)} needs {geo.frames} of {geo.width}x{geo.height}"
-        )
-    at = VIDEO_HEAD.size
-    if len(buf) < at + geo.n + 4 * frames:
-        raise CodecError("video payload is truncated before its packet table")
-    signman = buf[at : at + geo.n]
-    at += geo.n
-    sizes = np.frombuffer(buf[at : at + 4 * frames], dtype="<u4").astype(np.int64)
-    at += 4 * frames
-    stream = buf[at:]
-    if sizes.min() < 1 or int(sizes.sum()) != len(stream):
-        raise CodecError(f"video packet sizes (sum {int(sizes.sum())}) do not match the {len(stream)} stream bytes")
-    return VideoPayload(width, height, frames, exp_hash, signman, tuple(int(s) for s in sizes), stream, geo)
 
 
 def planes_to_exponents(planes: torch.Tensor, geo: Any) -> torch.Tensor:
@@ -269,8 +258,9 @@ def nvdec_decode_planes(
     """Decode the ``video`` codec's HEVC Annex B stream with NVDEC: ``[frames, 3, height, width]`` uint8 on GPU.
 
     ``session``: an :class:`~vllm_kvcodec.gpu.nvdec_sessions.NvdecSession`
-    to reuse (the load path and the device check keep one per thread); without
-    one, a decoder is created for this call only. ``packet_sizes``: the
+    to reuse (for pictures of this one size), or a
+    :class:`~vllm_kvcodec.gpu.nvdec_sessions.SessionPool` to take one of this
+    size from; without either, a decoder is created for this call only. ``packet_sizes``: the
     payload's packet table; without it the stream is cut into access units
     (:func:`access_units`). Raises
     :class:`NvCodecUnavailable` when PyNvVideoCodec/NVDEC cannot be used,
@@ -292,8 +282,11 @@ def nvdec_decode_planes(
         raise CodecError(f"{len(packets)} packets for {frames} pictures")
     out = torch.empty((frames, PLANES, height, width), dtype=torch.uint8, device=device)
     with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
-        decoder = session if session is not None else NvdecSession(device)
-        decoder.decode_into(packets, width, height, out)
+        if hasattr(session, "take"):
+            with session.take((width, height)) as decoder:
+                decoder.decode_into(packets, width, height, out)
+        else:
+            (session if session is not None else NvdecSession(device)).decode_into(packets, width, height, out)
     return out
 
 
@@ -301,62 +294,6 @@ def _nullcontext() -> Any:
     import contextlib
 
     return contextlib.nullcontext()
-
-
-def decode_video_payload_nvdec(
-    payload: bytes | memoryview,
-    shape: tuple[int, ...],
-    device: torch.device | str = "cuda",
-    *,
-    verify_hash: bool = True,
-    planes_decoder: Callable[[bytes, int, int, int, torch.device], torch.Tensor] | None = None,
-    session: Any | None = None,
-) -> torch.Tensor:
-    """Decode a bfloat16 ``video``/``hevc`` *payload* of ``shape`` on the GPU (NVDEC + torch ops).
-
-    ``verify_hash`` checks the payload's XXH3-64 of the exponent bytes (needs
-    xxhash; one device-to-host copy of ``n`` bytes), as the CPU decoder does.
-    ``planes_decoder`` replaces NVDEC (the tests use libav); ``session`` is
-    a decoder session to reuse (see :func:`nvdec_decode_planes`). The load
-    path does not come here: :mod:`vllm_kvcodec.load.cuda_placement` joins and
-    checks on the device (:mod:`.nvdec_join_triton`).
-    """
-    device = torch.device(device)
-    parsed = parse_video_payload(payload, shape)
-    if planes_decoder is not None:
-        planes = planes_decoder(bytes(parsed.stream), parsed.width, parsed.height, parsed.frames, device)
-    else:
-        planes = nvdec_decode_planes(parsed.stream, parsed.width, parsed.height, parsed.frames, device,
-                                     packet_sizes=parsed.packet_sizes, session=session)
-    exps = planes_to_exponents(planes, parsed.geometry)
-    if verify_hash:
-        import xxhash
-
-        if xxhash.xxh3_64_intdigest(exps.cpu().numpy().tobytes()) != parsed.exp_hash:
-            raise CodecError("video hevc stream decoded to exponents that fail their checksum")
-    signman = torch.frombuffer(bytearray(parsed.signman), dtype=torch.uint8).to(device)
-    return join_bf16(exps, signman).reshape(tuple(shape))
-
-
-def decode_video_chunk_nvdec(
-    blob: bytes | bytearray | memoryview,
-    device: torch.device | str = "cuda",
-    *,
-    verify_hash: bool = True,
-    planes_decoder: Callable[[bytes, int, int, int, torch.device], torch.Tensor] | None = None,
-    session: Any | None = None,
-) -> torch.Tensor:
-    """Decode a bfloat16 ``video``/``hevc`` chunk blob on the GPU: :func:`decode_video_payload_nvdec` after
-    :func:`vllm_kvcodec.format.read_header` (which checks the header and the chunk checksum)."""
-    from vllm_kvcodec.dtypes import DType
-    from vllm_kvcodec.format import payload_of, read_header
-
-    header = read_header(blob)
-    config = header.codec_config
-    if config.get("id") != "video" or config.get("backend") != "hevc" or header.dtype is not DType.BFLOAT16:
-        raise ConfigError(f"NVDEC decodes bfloat16 'video' chunks with backend 'hevc', not {config} {header.dtype.name}")
-    return decode_video_payload_nvdec(payload_of(blob, header), header.shape, device, verify_hash=verify_hash,
-                                      planes_decoder=planes_decoder, session=session)
 
 
 # --------------------------------------------------------------------------------------
@@ -388,14 +325,28 @@ def nvenc_encode_pictures(planes: np.ndarray, **options: Any) -> list[bytes]:
     packets: list[bytes] = []
     try:
         for f in range(frames):
-            if out := bytes(encoder.Encode(np.ascontiguousarray(planes[f]).reshape(-1))):
-                packets.append(out)
-        if tail := bytes(encoder.EndEncode()):
-            packets.append(tail)
+            packets += encoded_packets(encoder.Encode(np.ascontiguousarray(planes[f]).reshape(-1)))
+        packets += encoded_packets(encoder.EndEncode())
     except Exception as exc:  # noqa: BLE001
         raise NvCodecUnavailable(f"NVENC encode failed: {type(exc).__name__}: {exc}") from None
     if len(packets) != frames:
         raise CodecError(f"NVENC gave {len(packets)} packets for {frames} pictures")
+    return packets
+
+
+def encoded_packets(out: Any) -> list[bytes]:
+    """The packets in what ``Encode``/``EndEncode`` returned: in 2.0.4 a list of dicts ``{'data': bytes,
+    'timestamp', 'picture_type'}`` (possibly empty: NVENC has latency); a bare bytes-like packet is taken too."""
+    if out is None:
+        return []
+    if isinstance(out, (bytes, bytearray, memoryview, np.ndarray)):
+        data = bytes(memoryview(out).cast("B")) if not isinstance(out, np.ndarray) else out.tobytes()
+        return [data] if data else []
+    packets = []
+    for item in out:
+        data = item["data"] if isinstance(item, dict) else item
+        if len(data):
+            packets.append(bytes(data))
     return packets
 
 
@@ -430,7 +381,7 @@ def nvenc_available() -> tuple[bool, str]:
 
 
 __all__ = [
-    "NvCodecUnavailable", "VideoPayload", "decode_video_chunk_nvdec", "decode_video_payload_nvdec", "join_bf16", "nvdec_available",
-    "nvdec_decode_planes", "nvenc_available", "nvenc_encode_pictures", "nvenc_encode_planes", "nvenc_usable",
-    "parse_video_payload", "planes_to_exponents", "split_packets", "access_units",
+    "NVCUVID", "NVENCODE", "NvCodecUnavailable", "access_units", "driver_video_libraries", "encoded_packets",
+    "have_library", "join_bf16", "nvdec_available", "nvdec_decode_planes", "nvenc_available", "nvenc_encode_pictures",
+    "nvenc_encode_planes", "nvenc_usable", "planes_to_exponents", "split_packets",
 ]

@@ -51,7 +51,6 @@ PRIME32_1, PRIME32_2, PRIME32_3 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
 PRIME64 = (0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5)
 INIT_ACC = (PRIME32_3, PRIME64[0], PRIME64[1], PRIME64[2], PRIME64[3], PRIME32_2, PRIME64[4], PRIME32_1)
 MIDSIZE_MAX = 240  # XXH3 hashes inputs up to this length without the accumulator loop
-BLOCK_BYTES = 1024  # 16 stripes of 64 bytes between scrambles (192-byte secret)
 READBACK_BYTES = 256  # the accumulators (64 bytes), or a short input's bytes (<= 240)
 JOIN_BLOCK = 2048
 JOIN_WARPS = 4
@@ -93,16 +92,27 @@ def _join(planes_ptr, sm_ptr, out_ptr, n, row, width, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _stripes(vals_ptr, base, lanes, OFFS, valid):
-    """The exponent bytes of 8-byte words at ``base + OFFS`` ([stripes, 8] words of 8 bytes) as uint64 words."""
+def _words(ptr, base, OFFS, valid, EXPONENTS: tl.constexpr):
+    """Little-endian u64 words at ``base + OFFS`` ([16, 8] offsets): of a byte buffer, or (``EXPONENTS``) of the
+    exponent bytes of bfloat16 bits, one per int16 element (``(v >> 7) & 0xFF``)."""
     j = tl.arange(0, 8)
-    b = tl.load(vals_ptr + base + OFFS[:, :, None] + j[None, None, :], mask=valid[:, :, None], other=0)
-    e = ((b.to(tl.int32) >> 7) & 0xFF).to(tl.uint64)
+    b = tl.load(ptr + base + OFFS[:, :, None] + j[None, None, :], mask=valid[:, :, None], other=0)
+    if EXPONENTS:
+        e = ((b.to(tl.int32) >> 7) & 0xFF).to(tl.uint64)
+    else:
+        e = b.to(tl.uint64)
     return tl.sum(e << (8 * j[None, None, :]).to(tl.uint64), axis=2)
 
 
 @triton.jit
-def _xxh3_acc(vals_ptr, tab_ptr, acc_ptr, n, nb, ns):
+def xxh3_long_acc(ptr, tab_ptr, start, length, EXPONENTS: tl.constexpr):
+    """XXH3-64's eight accumulators after its long-input loop over ``length`` (> 240) bytes at ``start``.
+
+    1 KiB blocks in order (the scramble after each makes them sequential;
+    within a block the 16 stripes are summed at once), then the last partial
+    block's whole stripes, then the input's final 64 bytes with the secret at
+    offset 121. ``tab_ptr``: :func:`_tables`.
+    """
     s = tl.arange(0, 16)
     i = tl.arange(0, 8)
     offs = s[:, None] * 64 + i[None, :] * 8  # [16, 8] word offsets inside a block
@@ -114,27 +124,34 @@ def _xxh3_acc(vals_ptr, tab_ptr, acc_ptr, n, nb, ns):
     lo = tl.full([16, 8], 0xFFFFFFFF, tl.uint64)
     prime = tl.full([8], 0x9E3779B1, tl.uint64)
     every = offs >= 0
+    nb = (length - 1) // 1024
+    ns = ((length - 1) - 1024 * nb) // 64
     for blk in range(0, nb):
-        base = blk * 1024
-        w = _stripes(vals_ptr, base, i, offs, every)
-        ws = _stripes(vals_ptr, base, i, swap, every)
+        base = start + blk * 1024
+        w = _words(ptr, base, offs, every, EXPONENTS)
+        ws = _words(ptr, base, swap, every, EXPONENTS)
         k = w ^ keys
         acc += tl.sum((k & lo) * (k >> 32), axis=0) + tl.sum(ws, axis=0)
         acc = ((acc ^ (acc >> 47)) ^ scr) * prime
-    base = nb * 1024  # the last, partial block: its first ns stripes
+    base = start + nb * 1024  # the last, partial block: its first ns stripes
     valid = (s < ns)[:, None] & every
-    w = _stripes(vals_ptr, base, i, offs, valid)
-    ws = _stripes(vals_ptr, base, i, swap, valid)
+    w = _words(ptr, base, offs, valid, EXPONENTS)
+    ws = _words(ptr, base, swap, valid, EXPONENTS)
     k = w ^ keys
     acc += tl.sum(tl.where(valid, (k & lo) * (k >> 32), 0), axis=0) + tl.sum(ws, axis=0)
-    one = s < 1  # the last stripe: the input's final 64 bytes, with the secret at offset 121
-    lvalid = one[:, None] & every
-    base = n - 64
-    w = tl.sum(tl.where(lvalid, _stripes(vals_ptr, base, i, offs, lvalid), 0), axis=0)
-    ws = tl.sum(tl.where(lvalid, _stripes(vals_ptr, base, i, swap, lvalid), 0), axis=0)
+    lvalid = (s < 1)[:, None] & every  # the last stripe: the input's final 64 bytes, with the secret at offset 121
+    base = start + length - 64
+    w = tl.sum(tl.where(lvalid, _words(ptr, base, offs, lvalid, EXPONENTS), 0), axis=0)
+    ws = tl.sum(tl.where(lvalid, _words(ptr, base, swap, lvalid, EXPONENTS), 0), axis=0)
     k = w ^ last
     acc += (k & tl.full([8], 0xFFFFFFFF, tl.uint64)) * (k >> 32) + ws
-    tl.store(acc_ptr + i, acc.to(tl.int64, bitcast=True))
+    return acc
+
+
+@triton.jit
+def _xxh3_acc(vals_ptr, tab_ptr, acc_ptr, n):
+    acc = xxh3_long_acc(vals_ptr, tab_ptr, 0, n, True)
+    tl.store(acc_ptr + tl.arange(0, 8), acc.to(tl.int64, bitcast=True))
 
 
 def join_exponents(planes: torch.Tensor, signman: torch.Tensor, geo, out: torch.Tensor) -> None:
@@ -163,10 +180,8 @@ def exponent_digest_into(values: torch.Tensor, readback: torch.Tensor) -> None:
     if n <= MIDSIZE_MAX:
         readback[:n].copy_(((values >> 7) & 0xFF).to(torch.uint8))
         return
-    nb = (n - 1) // BLOCK_BYTES
-    ns = ((n - 1) - BLOCK_BYTES * nb) // 64
     acc = readback[:64].view(torch.int64)
-    Launcher(values.device)(_xxh3_acc, (1,), values, _tables_on(values.device), acc, n, nb, ns, num_warps=4)
+    Launcher(values.device)(_xxh3_acc, (1,), values, _tables_on(values.device), acc, n, num_warps=4)
 
 
 def finish_xxh3(readback: bytes | memoryview, n: int) -> int:

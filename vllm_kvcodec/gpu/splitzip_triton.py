@@ -585,74 +585,10 @@ def decode_splitzip_gpu(
     return out
 
 
-# --------------------------------------------------------------------------------------
-# Chunks
-# --------------------------------------------------------------------------------------
-
-
-class SplitZipGPU:
-    """Chunks with codec ``"splitzip"`` made and read with the Triton kernels.
-
-    :meth:`encode_chunk_gpu` returns the exact blob ``format.encode_chunk(kv,
-    "splitzip")`` returns for a bfloat16 tensor (other dtypes fall back to the
-    CPU codec). :meth:`decode_chunk_gpu` decodes any chunk onto a device: a
-    bfloat16 ``splitzip`` chunk with the kernels, anything else through the CPU
-    ``decode_chunk`` and a copy. Header building reuses the private helpers of
-    :mod:`vllm_kvcodec.format` (see docs/gpu.md for the small public function
-    that would replace them).
-    """
-
-    codec_id = "splitzip"
-
-    def __init__(self, encode_options: dict[str, Any] | None = None,
-                 decode_options: dict[str, Any] | None = None) -> None:
-        self.encode_options = dict(encode_options or {})
-        self.decode_options = dict(decode_options or {})
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return encode_splitzip_gpu(x.contiguous(), **self.encode_options)
-
-    def decode(self, payload: torch.Tensor | bytes, shape: tuple[int, ...], *,
-               device: torch.device | str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        n = int(np.prod(shape, dtype=np.int64))
-        flat = None if out is None else out.view(-1)
-        return decode_splitzip_gpu(payload, n, flat, device=device, **self.decode_options).view(shape)
-
-    def encode_chunk_gpu(self, kv: torch.Tensor) -> bytes:
-        from vllm_kvcodec import format as fmt
-
-        if kv.dtype != torch.bfloat16:
-            return fmt.encode_chunk(kv, self.codec_id)
-        shape = tuple(int(d) for d in kv.shape)
-        payload = self.encode(kv).cpu().numpy()
-        return build_splitzip_chunk(payload, shape)
-
-    def decode_chunk_gpu(self, blob: bytes | bytearray | memoryview, device: torch.device | str | None = None) -> torch.Tensor:
-        from vllm_kvcodec import format as fmt
-        from vllm_kvcodec.dtypes import DType
-
-        dev = torch.device(device) if device is not None else torch.device("cuda")
-        header = fmt.read_header(blob)  # validates sizes and the checksum
-        if (
-            header.dtype is not DType.BFLOAT16
-            or header.codec_config != {"id": self.codec_id}
-            or not can_run_on(dev)
-        ):
-            return fmt.decode_chunk(blob).to(dev)
-        view = memoryview(blob).cast("B")
-        payload = view[header.payload_offset : header.payload_offset + header.payload_length]
-        return self.decode(payload, header.shape, device=dev)
-
-
-def build_splitzip_chunk(payload: np.ndarray | bytes, shape: tuple[int, ...]) -> bytes:
-    """A ``format`` chunk blob around a bfloat16 ``splitzip`` payload (what ``encode_chunk`` writes)."""
-    from vllm_kvcodec import format as fmt
-    from vllm_kvcodec.dtypes import DType
-
-    return fmt.build_chunk(memoryview(payload).cast("B"), DType.BFLOAT16, shape, {"id": "splitzip"})
+# Chunks around these payloads (the chunk format) are made and read one level up: vllm_kvcodec.device_chunks.SplitZipGPU.
 
 
 __all__ = [
-    "HIST_MODES", "device_payload_buffer", "SplitZipGPU", "can_run_on", "codebook_gpu", "interpreted", "build_splitzip_chunk", "decode_splitzip_gpu", "decode_splitzip_gpu_async",
+    "HIST_MODES", "device_payload_buffer", "can_run_on", "codebook_gpu", "interpreted", "decode_splitzip_gpu", "decode_splitzip_gpu_async",
     "encode_splitzip_gpu", "encode_splitzip_gpu_bytes", "payload_size", "raise_if_invalid",
 ]

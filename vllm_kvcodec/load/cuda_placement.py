@@ -12,14 +12,16 @@ object on its I/O threads as for host memory; this placement supplies the rest:
    side validation flags copied back into the staging buffer), then an event
    the *I/O thread* waits on: the staging buffer is free again and the flags
    are read. A payload that fails its checks is never scattered.
-   A ``video`` object: an NVDEC session from a pool (:mod:`~vllm_kvcodec.gpu.nvdec_sessions`,
-   reused, as many as the GPU has NVDEC engines) decodes its stream into device
-   pictures; on the side stream the Triton join makes the bf16 values and the
-   XXH3 accumulators of their exponents (:mod:`~vllm_kvcodec.gpu.nvdec_join_triton`),
-   64 bytes copied back beside the slots; the I/O thread finishes the hash
-   and compares it with the payload's. Where NVDEC is missing (no
-   PyNvVideoCodec, no driver library, no decoder) the CPU codec decodes
-   (logged once).
+   A ``video`` object: an NVDEC session for its picture size from a pool
+   (:mod:`~vllm_kvcodec.gpu.nvdec_sessions`, reused, as many as the GPU has
+   NVDEC engines) decodes its stream into device pictures; on the side stream
+   the Triton join makes the bf16 values. Values decoded on the device are
+   checked there (:func:`vllm_kvcodec.device_chunks.value_check`): the chunk's
+   value digest (one XXH3 per segment, all at once; SplitZip chunks that carry
+   one too), else an older video chunk's exponent hash; what it reads back
+   lands beside the slots and the I/O thread finishes and compares it. Where
+   NVDEC is missing (no PyNvVideoCodec, no driver library, no decoder, or it
+   reports the stream unsupported) the CPU codec decodes (logged once).
 3. On the side stream: the Triton scatter of the whole layer group
    (:class:`~vllm_kvcodec.gpu.scatter_triton.PackedPages`, one launch) or, for
    layouts it does not cover and for layers of several vLLM KV cache groups
@@ -51,10 +53,12 @@ from storage import Store
 from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.errors import CodecError
+from vllm_kvcodec.codecs.video_layout import geometry as video_geometry
+from vllm_kvcodec.device_chunks import is_nvdec_video, parse_video_payload, value_check
 from vllm_kvcodec.format import ChunkHeader, decode_payload, payload_of
 from vllm_kvcodec.gpu import nvcodec
 from vllm_kvcodec.gpu.launch import can_run_on, interpreted
-from vllm_kvcodec.gpu.nvdec_join_triton import READBACK_BYTES, exponent_digest_into, finish_xxh3, join_exponents
+from vllm_kvcodec.gpu.nvdec_join_triton import READBACK_BYTES, exponent_digest_into, join_exponents
 from vllm_kvcodec.gpu.nvdec_sessions import NvdecDecoders, PlanesSession, SessionPool
 from vllm_kvcodec.gpu.scatter_triton import check_slots, packed_pages_for
 from vllm_kvcodec.gpu.side_stream import SideStream
@@ -129,7 +133,7 @@ class CudaPlacement(Placement):
     def decode(self, blob: bytes, header: ChunkHeader, spans: list[Span]) -> Decoded:
         """Stage, copy and decode one object on the side stream; returns once its staging buffer is free."""
         slots = self._checked_slots(spans)
-        if _video_on_device(header) and (pool := self.nvdec.pool()) is not None:
+        if is_nvdec_video(header) and (pool := self.nvdec.pool()) is not None:
             try:
                 return self._decode_video(blob, header, spans, slots, pool)
             except nvcodec.NvCodecUnavailable as exc:  # no decoder can be made here: the CPU, from now on
@@ -140,12 +144,14 @@ class CudaPlacement(Placement):
         else:
             cpu = decode_payload(blob, header)  # validated; raises on anything it cannot vouch for
             body = cpu.view(-1).view(torch.uint8)
+        check = value_check(header) if on_device else None  # the CPU decode checked its own
         at_slots = align8(len(body))
         at_flags = at_slots + 8 * len(slots)
-        with self.staging.take(at_flags + FLAG_BYTES) as host:
+        at_back = at_flags + FLAG_BYTES
+        with self.staging.take(at_back + (check.readback_bytes if check else 0)) as host:
             _copy_into(host[: len(body)], body)
             slots_host = host_slots(host, at_slots, slots)
-            flags_host = host[at_flags:].view(torch.int32)
+            flags_host = host[at_flags:at_back].view(torch.int32)
             with self.side.active():
                 dev_slots = torch.empty(len(slots), dtype=torch.int64, device=self.device)
                 dev_slots.copy_(slots_host, non_blocking=True)
@@ -156,6 +162,10 @@ class CudaPlacement(Placement):
                     flat, flags = sz.decode_splitzip_gpu_async(payload, n)
                     flags_host.copy_(flags, non_blocking=True)
                     kv = flat.view(header.shape)
+                    if check is not None:
+                        back = torch.empty(check.readback_bytes, dtype=torch.uint8, device=self.device)
+                        check.launch(flat, back)
+                        host[at_back:].copy_(back, non_blocking=True)
                 else:
                     raw = torch.empty(len(body), dtype=torch.uint8, device=self.device)
                     raw.copy_(host[: len(body)], non_blocking=True)
@@ -164,6 +174,8 @@ class CudaPlacement(Placement):
                 copied = self.side.record()
             self.side.host_wait(copied)  # this I/O thread only: staging reusable, flags readable
             sz.raise_if_invalid(flags_host)
+            if check is not None:
+                check.verify(host[at_back:].numpy().tobytes())
         return Decoded(kv, list(spans), on_device, _per_group(dev_slots, spans))
 
     def _checked_slots(self, spans: list[Span]) -> list[int]:
@@ -175,32 +187,31 @@ class CudaPlacement(Placement):
     def _decode_video(self, blob: bytes, header: ChunkHeader, spans: list[Span], slots: list[int],
                       pool: SessionPool) -> Decoded:
         """A bf16 ``video``/``hevc`` object: NVDEC -> device pictures, joined and checked on the device."""
-        parsed = nvcodec.parse_video_payload(payload_of(blob, header), header.shape)  # sizes, before anything is allocated
+        parsed = parse_video_payload(payload_of(blob, header), header.shape)  # sizes, before anything is allocated
         geo = parsed.geometry
+        check = value_check(header, parsed)
         at_slots = align8(geo.n)
         at_back = at_slots + 8 * len(slots)
-        with self.staging.take(at_back + READBACK_BYTES) as host, pool.take() as session:
+        with self.staging.take(at_back + check.readback_bytes) as host, pool.take((geo.width, geo.height)) as session:
             _copy_into(host[: geo.n], parsed.signman)
             slots_host = host_slots(host, at_slots, slots)
             back_host = host[at_back:]
             with self.side.active():
                 planes = torch.empty((geo.frames, nvcodec.PLANES, geo.height, geo.width), dtype=torch.uint8,
                                      device=self.device)
-                session.decode_into(nvcodec.split_packets(parsed.stream, parsed.packet_sizes), geo.width, geo.height,
-                                    planes)
+                session.decode_into(parsed.packets(), geo.width, geo.height, planes)
                 dev_slots = torch.empty(len(slots), dtype=torch.int64, device=self.device)
                 dev_slots.copy_(slots_host, non_blocking=True)
                 signman = torch.empty(geo.n, dtype=torch.uint8, device=self.device)
                 signman.copy_(host[: geo.n], non_blocking=True)
                 values = torch.empty(geo.n, dtype=torch.int16, device=self.device)
                 join_exponents(planes, signman, geo, values)
-                back = torch.empty(READBACK_BYTES, dtype=torch.uint8, device=self.device)
-                exponent_digest_into(values, back)
+                back = torch.empty(check.readback_bytes, dtype=torch.uint8, device=self.device)
+                check.launch(values, back)
                 back_host.copy_(back, non_blocking=True)
                 copied = self.side.record()
             self.side.host_wait(copied)  # this I/O thread only; the session's surfaces are free again too
-            if finish_xxh3(back_host.numpy().tobytes(), geo.n) != parsed.exp_hash:
-                raise CodecError("video hevc stream decoded (NVDEC) to exponents that fail their checksum")
+            check.verify(back_host.numpy().tobytes())
         kv = values.view(torch.bfloat16).view(header.shape)
         return Decoded(kv, list(spans), True, _per_group(dev_slots, spans))
 
@@ -228,12 +239,13 @@ class CudaPlacement(Placement):
                         buf = sz.device_payload_buffer(payload.numel(), n, self.device)
                         buf.copy_(payload)
                         sz.raise_if_invalid(sz.decode_splitzip_gpu_async(buf, n)[1])
-                geo = nvcodec._video_layout().geometry(tuple(object_shape))
+                geo = video_geometry(tuple(object_shape))
                 planes = torch.zeros((geo.frames, nvcodec.PLANES, geo.height, geo.width), dtype=torch.uint8,
                                      device=self.device)
                 values = torch.empty(geo.n, dtype=torch.int16, device=self.device)
                 join_exponents(planes, torch.zeros(geo.n, dtype=torch.uint8, device=self.device), geo, values)
                 exponent_digest_into(values, torch.empty(READBACK_BYTES, dtype=torch.uint8, device=self.device))
+                _warm_value_digest(values)
             if self.pages is not None and len(object_shape) == 5 and tokens <= self.pages.num_slots:
                 self._warm_pages(object_shape, tokens)
         if self.side.stream is not None:
@@ -321,11 +333,15 @@ def _slots_per_group(caches: list[torch.Tensor], layouts: list[PagedLayout], cac
     return slots
 
 
-def _video_on_device(header: ChunkHeader) -> bool:
-    """A bf16 HEVC ``video`` object, which NVDEC can decode (h264 4:4:4 and ffv1 it cannot)."""
-    config = header.codec_config
-    return (header.dtype is DType.BFLOAT16 and config.get("id") == "video" and config.get("backend") == "hevc"
-            and config.get("layout") == 1)
+def _warm_value_digest(values: torch.Tensor) -> None:
+    """Compile the value digest kernel for the video codec's segment size (the one chunks carry by default)."""
+    from vllm_kvcodec.codecs.video import VideoCodec
+    from vllm_kvcodec.gpu import value_digest_triton as vd
+
+    data = values.view(torch.uint8)
+    back = torch.empty(vd.readback_bytes(data.numel(), VideoCodec.value_digest_segment), dtype=torch.uint8,
+                       device=values.device)
+    vd.value_digest_into(data, VideoCodec.value_digest_segment, back)
 
 
 def _on_device(header: ChunkHeader) -> bool:

@@ -220,7 +220,9 @@ def _other(ctx: _Ctx, name: str, datasets: dict[str, np.ndarray]) -> str:
         kv = _kv(datasets)
         shape = (2, 2, kv.size // 4) if kv.size % 4 == 0 else (kv.size,)
         t = ctx.tensor(kv).reshape(shape)
-        blob = g.SplitZipGPU().encode_chunk_gpu(t)
+        from vllm_kvcodec.device_chunks import SplitZipGPU
+
+        blob = SplitZipGPU().encode_chunk_gpu(t)
         assert blob == encode_chunk(t.cpu(), "splitzip"), "GPU chunk blob differs from encode_chunk's"
         return f"shape {shape}, {len(blob)} bytes"
     if name == "chunk_decode_cpu_blob":
@@ -228,13 +230,16 @@ def _other(ctx: _Ctx, name: str, datasets: dict[str, np.ndarray]) -> str:
 
         kv = _kv(datasets)
         t = ctx.tensor(kv)
-        got = g.SplitZipGPU().decode_chunk_gpu(encode_chunk(t.cpu(), "splitzip"), ctx.device)
+        from vllm_kvcodec.device_chunks import SplitZipGPU
+
+        got = SplitZipGPU().decode_chunk_gpu(encode_chunk(t.cpu(), "splitzip"), ctx.device)
         assert got.device.type == ctx.device.type and np.array_equal(ctx.bits(got), kv)
         return f"{kv.size} values"
     if name == "chunk_fallbacks":
+        from vllm_kvcodec.device_chunks import SplitZipGPU
         from vllm_kvcodec.format import decode_chunk, encode_chunk
 
-        zgpu = g.SplitZipGPU()
+        zgpu = SplitZipGPU()
         f32 = torch.randn(3, 5, dtype=torch.float32)
         blob = zgpu.encode_chunk_gpu(f32.to(ctx.device))
         assert blob == encode_chunk(f32, "splitzip") and torch.equal(decode_chunk(blob), f32)
