@@ -42,6 +42,7 @@ class Chunk:
     slots: list[int]
     block_ids: list[int]
     object_tokens: int | None = None  # always a full chunk here
+    expect: None = None  # the objects here record no prompt's tokens (made for the check, not by the connector)
 
     @property
     def spans(self) -> list[Span]:
