@@ -61,12 +61,13 @@ def _save(ns: Namespace, ids: list[int], hashes: list[str], block: int) -> None:
 def _redis_round_trip(repeats: int) -> float | None:
     """Median seconds of one EXISTS on a real redis-server on loopback (None where none can be started)."""
     try:
-        from storage.testing.redis_server import RedisServer
         import redis
+
+        from storage.testing.redis_server import start_redis_server
     except ImportError:
         return None
     try:
-        with RedisServer() as server:
+        with start_redis_server(["--save", "", "--appendonly", "no"]) as server:
             client = redis.Redis.from_url(server.url)
             return _time(lambda: client.exists("kvc/x"), repeats)
     except Exception:  # noqa: BLE001 - no redis-server binary: the figure is left out
