@@ -126,8 +126,10 @@ class KVCodecWorkerReport(KVConnectorWorkerMetadata):
     """Outcomes since the last report; a load counts as failed if it failed on any worker.
 
     ``loads`` is keyed by request id: a worker reports each load once it ends (a sync load in its own step), and
-    vLLM admits a request id again only after the last request of that id is gone, so one report holds at most
-    one load per id. Which load of the requests that bore an id over time is each outcome's ``load_id``.
+    vLLM admits a request id again only after the last request of that id is gone (an async load holds it until
+    every worker reported its ``finished_recving``), so one report holds at most one load per id. Which load of
+    the requests that bore an id over time is each outcome's ``load_id``; how many workers' outcomes of it the
+    report holds, its ``ranks`` (the others report it in later steps: the scheduler half waits for them).
 
     ``save_room``: bytes the fullest worker's save queue could take when the
     report was built (None: no saver). A snapshot, not an event, so it is

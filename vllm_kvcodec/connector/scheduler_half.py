@@ -118,7 +118,8 @@ class _Tracked:
 
 class SchedulerHalf:
     def __init__(self, config: ConnectorConfig, namespace: Namespace, groups: int, tp_size: int,
-                 cache_groups: CacheGroups) -> None:
+                 cache_groups: CacheGroups, loaders: int = 1) -> None:
+        """``loaders``: the workers that run each load and report its outcome (see load_ledger.py)."""
         self.config = config
         self.namespace = namespace
         self.groups = groups
@@ -128,7 +129,7 @@ class SchedulerHalf:
         self.chunk = config.chunk_size
         self.store = open_connector_store(config)
         self.stats = ConnectorStats()
-        self.ledger = LoadLedger(inflight_ttl_s=config.load_timeout_s + INFLIGHT_SLACK_S)
+        self.ledger = LoadLedger(inflight_ttl_s=config.load_timeout_s + INFLIGHT_SLACK_S, loaders=loaders)
         self.claims = SaveClaims()
         self.events = StoreEvents.off()  # the facade turns them on when vLLM publishes KV events
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
@@ -552,9 +553,13 @@ class SchedulerHalf:
             self._room_freed(report.save_room)
 
     def _load_settled(self, req_id: str, outcome: LoadOutcome) -> None:
-        """Settle the load the outcome names (``load_id``): the request now bearing ``req_id`` may be a new one,
-        whose own load stays in flight and whose hit this outcome says nothing about."""
-        load = self.ledger.settle(outcome.load_id)
+        """Settle the load the outcome names (``load_id``) once every worker that runs it reported (a rank that
+        ends it steps after another is heard then, with the same load): the request now bearing ``req_id`` may
+        be a new one, whose own load stays in flight and whose hit this outcome says nothing about."""
+        settled = self.ledger.report(outcome)
+        if settled is None:
+            return  # some worker still runs it: still in flight, and its outcome still untold
+        load, outcome = settled
         tracked = self._requests.get(req_id)
         if tracked is not None and outcome.load_id in tracked.loads:
             tracked.loads.discard(outcome.load_id)
