@@ -72,17 +72,20 @@ class LoadSpec:
 class SaveSpec:
     """One full chunk computed by this step (or earlier), to gather and store.
 
-    ``failures_seen`` is how many failed loads of this request the scheduler
-    half had heard of when it planned the save: a worker that knows of more
-    (a load failed in a step the plan did not yet know about, as with vLLM's
-    async scheduling) drops the save, because the chunk may have been computed
-    over KV that never arrived.
+    ``unsettled_loads`` are the ids of the request's loads whose outcome the
+    scheduler half had not heard of (from every worker) when it planned the
+    save: a worker on which one of them failed drops the save (the load
+    failed in a step the plan did not yet know about, as with vLLM's async
+    scheduling), because the chunk may have been computed over KV that never
+    arrived. Ids, not a count of failures: a rank whose load failed a step
+    after another rank's succeeded is judged by the same load, and a new
+    request under a finished one's id never inherits its failures.
     """
 
     req_id: str
     chunk_hash: str
     group_slots: list[list[int]]  # the chunk's slots in each KV cache group's blocks
-    failures_seen: int = 0
+    unsettled_loads: list[int] = dataclasses.field(default_factory=list)
     refs: list[str] = dataclasses.field(default_factory=list)  # its whole-block prefixes, whose refs rank 0 writes (block_refs.py)
 
     @property

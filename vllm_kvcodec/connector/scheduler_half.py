@@ -104,7 +104,7 @@ class _Tracked:
     next_save: int = 0  # first chunk not yet handed to the worker for saving
     computed: int = 0  # tokens computed before the current step
     save_attempts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    failures_seen: int = 0  # failed loads of this request reported so far (echoed in SaveSpec)
+    failures_seen: int = 0  # failed loads of this request reported so far
     deferred: set[int] = dataclasses.field(default_factory=set)  # chunks not planned while the store was down
     tail: Tail | None = None  # the whole blocks after the hit chunks found at the last lookup (block_hits)
     tail_planned: bool = False  # this request's own tail was planned for saving (or needs none)
@@ -484,7 +484,7 @@ class SchedulerHalf:
     def _save_spec(self, tracked: _Tracked, chunk_hash: str, first: int, tokens: int, refs: list[str]) -> SaveSpec:
         slots = [slots_for_tokens(table, bs, first, first + tokens).tolist() for table, bs in zip(tracked.block_ids, self.block_sizes)]
         self.events.saving(tracked.request, chunk_hash, first, tokens)
-        return SaveSpec(tracked.request.request_id, chunk_hash, slots, tracked.failures_seen, refs)
+        return SaveSpec(tracked.request.request_id, chunk_hash, slots, sorted(tracked.loads), refs)
 
     def _refs(self, tracked: _Tracked, index: int, tokens: int) -> list[str]:
         """The whole-block prefixes of an object of ``tokens`` tokens at chunk ``index`` (block_hits; see
