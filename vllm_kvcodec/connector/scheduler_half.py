@@ -331,8 +331,9 @@ class SchedulerHalf:
         if num_external_tokens <= 0:
             return
         start = tracked.local_tokens
-        chunks = self._chunk_loads(tracked, start, start + num_external_tokens)
-        first_tokens = {c.chunk_hash: max(start, (start // self.chunk + i) * self.chunk) for i, c in enumerate(chunks)}
+        numbered = self._chunk_loads(tracked, start, start + num_external_tokens)
+        chunks = list(numbered.values())
+        first_tokens = {c.chunk_hash: max(start, n * self.chunk) for n, c in numbered.items()}  # where eviction starts
         busy = [c.chunk_hash for c in chunks]
         if tracked.tail is not None and chunks and chunks[-1].chunk_hash == tracked.tail.chunk_hash:  # also busy under
             # its position (see _reads_inflight)
@@ -344,9 +345,10 @@ class SchedulerHalf:
                                             load_id=load_id))
         self.events.loading(load_id, request, chunks, tracked.hashes, tracked.tail, self.chunk)
 
-    def _chunk_loads(self, tracked: _Tracked, start: int, end: int) -> list[ChunkLoad]:
-        """Per chunk of ``[start, end)``, each group's allocated blocks there (a window group's window only)."""
-        loads = []
+    def _chunk_loads(self, tracked: _Tracked, start: int, end: int) -> dict[int, ChunkLoad]:
+        """Per chunk of ``[start, end)`` (by its number), each group's allocated blocks there (a window group's
+        window only); chunks with none are left out, so the loads' positions are not their chunks' numbers."""
+        loads = {}
         tail = tracked.tail
         for c in range(start // self.chunk, -(-end // self.chunk)):
             a, b = max(start, c * self.chunk), min(end, (c + 1) * self.chunk)
@@ -356,9 +358,9 @@ class SchedulerHalf:
                 continue
             if tail is not None and c == tail.index:  # the load ends in the blocks found after the hit chunks
                 held = tail.stored_tokens
-                loads.append(ChunkLoad(tail.chunk_hash, spans, blocks, object_tokens=held if held < self.chunk else None))
+                loads[c] = ChunkLoad(tail.chunk_hash, spans, blocks, object_tokens=held if held < self.chunk else None)
             else:
-                loads.append(ChunkLoad(tracked.hashes[c], spans, blocks))
+                loads[c] = ChunkLoad(tracked.hashes[c], spans, blocks)
         return loads
 
     @staticmethod
