@@ -145,6 +145,7 @@ class WorkerHalf:
                            self.config.max_pending_save_bytes, self.stats, report=self._save_settled,
                            nice=self.config.save_thread_nice)
         self.save_gather = save_gather_for(caches, ordered, self.saver, self.layer_cache_groups, self.objects)
+        self.fetcher.placement.block_reads = self.save_gather.block_reads  # loads wait for reads of their blocks
         if self.config.save and self.config.upgrade_fallback_chunks and self.chooser.behind is not None:
             self.upgrader = Upgrader(self.store, self.chooser, self.saver.idle, self.stats)
             self.fetcher.after_load = self.upgrader.offer
