@@ -22,7 +22,8 @@ STAMP_LATEST := $(VENV_LATEST)/.installed-$(shell cat pyproject.toml | cksum | c
 # What needs vLLM's scheduler and connector API but no forward pass: these run under both vLLM builds.
 VLLM_API_TESTS ?= tests/connector/test_scheduler_lifecycle.py tests/connector/test_scheduler_hma.py \
   tests/connector/test_scheduler_prompt_tails.py tests/connector/test_scheduler_block_hits.py \
-  tests/connector/test_scheduler_inflight_edges.py tests/connector/test_lookup_async.py \
+  tests/connector/test_scheduler_inflight_edges.py tests/connector/test_scheduler_tp.py \
+  tests/connector/test_worker_report.py tests/connector/test_lookup_async.py \
   tests/connector/test_lookup_prefetch.py tests/connector/test_kv_role.py tests/connector/test_kv_events.py \
   tests/connector/test_mla_tp.py tests/connector/test_pipeline_parallel.py tests/connector/test_config.py \
   tests/connector/test_plugin.py \

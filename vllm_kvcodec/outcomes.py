@@ -15,16 +15,24 @@ class LoadOutcome:
 
     ``load_id`` echoes the plan's (:class:`~vllm_kvcodec.connector.metadata.LoadSpec`): a request id may come
     back for a new request before an aborted one's outcome arrives, and the outcome must settle its own load.
+
+    ``ranks``: how many workers' outcomes of the load this one holds (each worker reports 1; merging adds
+    them up). Every worker (each tensor-parallel rank of each pipeline stage) runs every load, and they need
+    not finish it in the same step: the scheduler half settles a load once all of them reported
+    (:meth:`~vllm_kvcodec.connector.load_ledger.LoadLedger.report`), as vLLM's ``KVOutputAggregator``
+    counts their ``finished_recving``.
     """
 
     loaded: list[str] = dataclasses.field(default_factory=list)
     failed: list[str] = dataclasses.field(default_factory=list)
     load_id: int = 0  # 0: not told
+    ranks: int = 1
 
     def merge(self, other: "LoadOutcome") -> "LoadOutcome":
+        """Both outcomes of one load: failed where it failed on any worker."""
         failed = list(dict.fromkeys(self.failed + other.failed))
         loaded = [h for h in dict.fromkeys(self.loaded + other.loaded) if h not in failed]
-        return LoadOutcome(loaded, failed, self.load_id or other.load_id)
+        return LoadOutcome(loaded, failed, self.load_id or other.load_id, self.ranks + other.ranks)
 
 
 @dataclasses.dataclass(frozen=True)

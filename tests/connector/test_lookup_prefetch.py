@@ -100,3 +100,30 @@ def test_no_prefetch_for_a_store_on_this_host(tmp_path) -> None:
     assert e.worker.worker.prefetcher is None and not e.connector.scheduler._prefetches
     e2 = Engine(tmp_path, f"link+file://{tmp_path / 'store'}?gbps=1", prefetch_bytes=0)
     assert e2.worker.worker.prefetcher is None
+
+
+def test_a_key_claimed_twice_before_it_is_taken_keeps_no_budget(tmp_path) -> None:
+    """A load claims an object fetched ahead; before its fetch thread takes it, another waiting request has it
+    fetched ahead again and a second load claims that copy. Each take gets one copy and frees its budget (the
+    second claim used to replace the first, whose bytes then stayed reserved for good)."""
+    from storage import open_store
+    from vllm_kvcodec.connector.prefetch import Prefetcher
+    from vllm_kvcodec.stats import ConnectorStats
+
+    with open_store(f"file://{tmp_path / 'store'}") as store:
+        store.put("k", b"x" * 1000)
+        stats = ConnectorStats()
+        prefetcher = Prefetcher(store, budget=1 << 20, stats=stats)
+        try:
+            prefetcher.start("a", [("k", 2000)])
+            prefetcher.claim(["k"])  # a's load
+            prefetcher.start("b", [("k", 2000)])  # b still waits: fetched ahead again
+            prefetcher.claim(["k"])  # b's load, before a's fetch thread took its copy
+            assert prefetcher.held_bytes() == 4000
+            assert prefetcher.take(["k"]) == [b"x" * 1000]  # a's load
+            assert prefetcher.take(["k"]) == [b"x" * 1000]  # b's load: its own copy, not a fetch of its own
+            assert prefetcher.held_bytes() == 0
+            assert stats.totals()["prefetch_used_bytes"] == 2000
+            assert prefetcher.take(["k"]) == [None]  # nothing claimed is left: a third load fetches it itself
+        finally:
+            prefetcher.shutdown()

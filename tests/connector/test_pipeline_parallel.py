@@ -113,3 +113,12 @@ def test_kv_events_wait_for_every_saving_worker() -> None:
     assert saving_workers(dataclasses.replace(FIVE, tp_size=2)) == 4
     assert saving_workers(dataclasses.replace(FIVE, tp_size=2, kv_replicated=True)) == 2
     assert saving_workers(dataclasses.replace(FIVE, tp_size=2, kv_replicated=True, pp_layers="")) == 1
+
+
+@pytest.mark.parametrize("model,tp,pp,loaders", [("llama", 2, 2, 4), ("dsv2", 2, 1, 2)])
+def test_a_load_is_settled_once_every_stages_every_rank_reported(tmp_path, model, tp, pp, loaders) -> None:
+    """Every worker runs every load and reports it, as vLLM's KVOutputAggregator counts them (its world size):
+    each stage's ranks, and a replicated latent's ranks too (rank 0 alone saves it, all of them load it)."""
+    conn = scheduler_connector(tmp_path, model, tp, f"file://{tmp_path / 'store'}", pp=pp,
+                               **({"layers": 4} if model == "llama" else {}))
+    assert conn.scheduler.ledger.loaders == loaders == conn._vllm_config.parallel_config.world_size

@@ -121,6 +121,33 @@ def test_multi_group_failed_load_is_reported_per_request_and_recomputed(tmp_path
     e.assert_empty()
 
 
+def test_a_failed_load_past_skipped_window_chunks_evicts_from_its_own_chunk(tmp_path, store) -> None:
+    """Every layer windowed: the load of chunks 0..8 writes only chunks 7 and 8 (the window's blocks), the
+    earlier ones have none and are left out of it. Chunk 8 fails: eviction from vLLM's prefix cache starts at
+    chunk 8's first token, and chunk 7's block, loaded fine, stays a local hit (its first token was taken from
+    the chunk's place in the load's list, not its number: chunk 8 was evicted from token 32 on)."""
+    from tests.connector.test_scheduler_lifecycle import damage_when_loaded
+
+    p = prompt(300)
+    stored(tmp_path, store, p, MISTRAL)
+    hook = damage_when_loaded(store, p, chunk=8, how="delete")
+    e = make(tmp_path, store, MISTRAL, hooks={"before_forward": hook["hook"]})
+    e.add("r", p[:290], max_tokens=2)
+    e.admit()
+    assert hook["done"] and e.steps[-1].invalid_blocks
+    (spec,) = loads_of(e, ["r"])
+    assert [c.first_token + n * 32 for c, n in zip(spec.chunks, (7, 8))] == [240, 256], "chunks 7 and 8, windowed"
+    chunk_7_block, chunk_8_blocks = spec.chunks[0].block_ids, spec.chunks[1].block_ids
+    cached = e.cached_block_ids()
+    assert not set(chunk_8_blocks) & cached, "the failed chunk's blocks are still a local hit"
+    assert set(chunk_7_block) <= cached, "a chunk that loaded fine was evicted with the failed one"
+    # Aborted before its recompute, which this test is not about: vLLM rewinds r to chunk 8, and the window of
+    # its first token there reaches back into blocks the load's hit never allocated (vLLM's null block).
+    e.abort("r")
+    e.run()
+    e.assert_empty()
+
+
 def test_a_save_retry_after_the_window_moved_on_is_dropped(tmp_path, store) -> None:
     """A save that did not land is planned again only while a window group still holds its blocks."""
     from vllm_kvcodec.keys import chunk_hashes

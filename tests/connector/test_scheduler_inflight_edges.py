@@ -12,6 +12,9 @@ computes over it.
 - A request id reused while the aborted request's failed-load report is still
   on its way: the late report must settle the load it is about (evict its
   blocks, mark its chunks failed), not the new request's.
+- A request id reused right after a request whose load failed: the worker
+  hears of the old request's end only after the new one's first saves, and
+  must not take the old request's failure for the new one's (issue #41).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.connector.test_scheduler_lifecycle import damage_when_loaded, stored
-from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of, lookup_modes, prompt
+from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of, lookup_modes, prompt, reload
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -160,3 +163,28 @@ def test_a_late_report_of_an_aborted_request_settles_its_own_load_not_its_ids_su
 
 def first_computed(e: Engine, req_id: str) -> int:
     return next(s.computed_before[req_id] for s in e.steps if req_id in s.computed_before)
+
+
+@SCHEDULING
+def test_a_new_request_under_the_id_of_one_whose_load_failed_keeps_its_saves(tmp_path, store, pipelined) -> None:
+    """r's load fails and r is aborted; a new request "r" (another prompt, nothing stored) computes two chunks
+    in the very step that tells the worker the first r ended. Keyed by request id, the old failure made the
+    worker drop the new r's saves as resting on a load that failed."""
+    p, q = prompt(300), prompt(300, 7)
+    stored(tmp_path, store, p, block_size=BLOCK, chunk_size=CHUNK)
+    damage = damage_when_loaded(store, p, chunk=1, how="delete")
+    e = make(tmp_path, store, pipelined, hooks={"before_forward": damage["hook"]})
+    e.add("r", p[:290], max_tokens=2)
+    e.admit()  # the load fails at chunk 1
+    assert damage["done"] and e.steps[-1].invalid_blocks
+    e.deliver()
+    e.abort("r")
+    e.add("r", q, max_tokens=2)  # the same id: its first step carries the first r's end to the worker
+    e.run()
+    new_saves = [s for step in e.steps[damage["step"] + 1 :] for s in step.saves if s.req_id == "r"]
+    assert new_saves, "the new r planned no save"
+    assert not e.stats().get("saves_skipped_after_load_failure"), "the new r's saves were dropped"
+    e.flush()
+    assert e.stats()["saved_chunks"] >= 2
+    e.assert_empty()
+    assert reload(make(tmp_path, store), q) in LOADABLE  # what the new r saved

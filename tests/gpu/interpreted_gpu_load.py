@@ -22,6 +22,7 @@ from vllm_kvcodec.format import decode_chunk, encode_chunk
 from vllm_kvcodec.tools import gpu_load_check as lc
 from vllm_kvcodec.load.cuda_placement import CudaFetcher
 from vllm_kvcodec.gpu.launch import interpreted
+from vllm_kvcodec.gpu.side_stream import SideStream
 from vllm_kvcodec.gpu.scatter_triton import PackedPages
 from vllm_kvcodec.paged import Geometry, PackedKVLayout, PagedLayoutError, SlotError
 from vllm_kvcodec.save.saver import Saver
@@ -282,6 +283,81 @@ def test_save_gather_hands_the_saver_what_the_cpu_gather_would(real_kv_1k) -> No
 
 
 # ---- video objects: NVDEC's place in the load path (the PyNvVideoCodec 2.0.4 stand-in, libav behind it) ----------
+
+
+class _Mark:
+    """Stands in for a CUDA event, which a CPU device has none of."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.done = n, False
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _MarkedSide(SideStream):
+    """The CPU side stream, with a mark per ``record`` where CUDA would record an event, and every wait logged in
+    order with the records: what the ordering logic decides, checked without a GPU (a GPU runs it for real)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.log: list[tuple[str, object]] = []
+
+    def record(self):
+        mark = _Mark(len(self.log))
+        self.log.append(("record", mark))
+        return mark
+
+    @staticmethod
+    def host_wait(event) -> None:
+        pass
+
+    def compute_waits(self, event) -> None:
+        pass
+
+    def side_waits_for(self, events) -> None:
+        self.log.append(("side waits for", list(events)))
+
+
+def test_a_load_first_waits_for_the_save_gathers_that_read_its_blocks(real_kv_1k) -> None:
+    """req-0's tail is gathered (its blocks then freed, as vLLM frees a finished request's); a load into req-1's
+    blocks waits for nothing, a load into req-0's blocks for the gather's end-of-step event, before it records
+    anything of its own on its stream; once that event has passed, nothing."""
+    sc = _scenario(real_kv_1k, ["raw"], first_token=0, seed=5)
+    caches = sc.caches("cpu", "NHD")
+    saver = Saver(open_store("memory://block-reads"), sc.addresses, CodecChooser("raw"), 1, 1 << 30, ConnectorStats())
+    gather = CudaSaveGather(caches, _layouts(sc), saver)
+    fetcher = CudaFetcher(sc.store, sc.addresses, caches, _layouts(sc), 1, ConnectorStats())
+    gather.side, fetcher.placement.side = _MarkedSide(), _MarkedSide()
+    fetcher.placement.block_reads = gather.block_reads  # as the worker half wires them
+    tail, other = sc.specs  # two requests on blocks of their own
+    assert not {b for c in tail.chunks for b in c.block_ids} & {b for c in other.chunks for b in c.block_ids}
+
+    def load(spec) -> list:
+        side = fetcher.placement.side
+        side.log.clear()
+        job = fetcher.submit([spec], 120)
+        assert job.done.wait(120)
+        job.settle()
+        assert side.log[0][0] == "side waits for", "a load enqueued work before it waited"
+        assert any(what == "record" for what, _ in side.log[1:])
+        return side.log[0][1]
+
+    try:
+        lc.save_chunks(gather, caches, tail.chunks)
+        assert saver.flush(60)
+        step_end = gather.side.log[-1][1]  # the end of the step: what the engine's stream waits for, too
+        assert load(other) == []
+        assert load(tail) == [step_end]
+        step_end.done = True
+        assert load(tail) == [] and len(gather.block_reads) == 0
+    finally:
+        gather.shutdown()
+        saver.shutdown()
+        fetcher.shutdown()
+
+
+# ---- video objects: NVDEC's place in the load path (libav standing in for the decoder session) -------------
 
 from vllm_kvcodec.device_chunks import parse_video_payload  # noqa: E402
 from vllm_kvcodec.format import build_chunk, read_header  # noqa: E402

@@ -21,6 +21,7 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from vllm_kvcodec.gpu.staging import StagingPool, align8, host_slots
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = Path(__file__).resolve().parent / "interpreted_gpu_load.py"
-MIN_CASES = 34  # what the file holds today; fewer means cases silently stopped being collected
+MIN_CASES = 35  # what the file holds today; fewer means cases silently stopped being collected
 
 
 
@@ -107,6 +108,33 @@ def test_worker_loads_cpu_caches_with_the_thread_fetcher() -> None:
     from vllm_kvcodec.connector.worker_half import _fetcher_class
 
     assert _fetcher_class([torch.zeros(1)]) is Fetcher
+
+
+class _Event:
+    """Stands in for a CUDA event (there is none without a GPU): whether the work before it has run."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_block_reads_name_the_pending_gathers_of_the_blocks_a_load_writes() -> None:
+    """A finishing tail's gather read blocks 3 and 4, a later step's gather blocks 4 and 9: a load into block 4
+    waits for both, into 3 for the first, into 5 for none; once a gather has run its blocks are forgotten."""
+    from vllm_kvcodec.gpu.block_reads import BlockReads, layout_blocks
+
+    reads, tail, later = BlockReads(), _Event(), _Event()
+    reads.record(layout_blocks([48, 63, 64, 70], 16), tail)  # slots of blocks 3 and 4
+    reads.record([4, 9], later)
+    reads.record([5], None)  # a CPU device: copies are done when they return, nothing to wait for
+    assert reads.pending([4]) == [later], "the last read of a block is the one to wait for"
+    assert reads.pending([3, 4]) == [tail, later] and reads.pending([5, 6]) == []
+    tail.done = True
+    assert reads.pending([3, 4]) == [later] and len(reads) == 2  # blocks 4 and 9 still being read
+    later.done = True
+    assert reads.pending([3, 4, 9]) == [] and len(reads) == 0
 
 
 def test_cpu_load_job_settle_is_free() -> None:
@@ -242,6 +270,68 @@ def test_cuda_save_gather_reaches_the_store_bit_exact(real_kv_1k) -> None:
     finally:
         saver.shutdown()
         fetcher.shutdown()
+
+
+@pytest.mark.gpu
+@cuda_kernels
+def test_a_load_into_blocks_a_tail_gather_still_reads_lands_after_it(real_kv_1k) -> None:
+    """Real streams: the save gather of a finishing tail (A's KV) is held back on its side stream by a sleep
+    kernel; a load of other KV (B) into the same blocks is submitted on the load path's stream right after. The
+    tail must be saved as A: the load's stream waits for the gather's event of those blocks."""
+    from storage import open_store
+    from vllm_kvcodec.codecs.choice import CodecChooser
+    from vllm_kvcodec.format import decode_chunk
+    from vllm_kvcodec.load.cuda_placement import CudaFetcher
+    from vllm_kvcodec.paged import PackedKVLayout
+    from vllm_kvcodec.save.cuda_gather import CudaSaveGather
+    from vllm_kvcodec.save.saver import Saver
+    from vllm_kvcodec.stats import ConnectorStats
+    from vllm_kvcodec.tools import gpu_load_check as lc
+
+    kv_a = real_kv_1k[:, :, :512].contiguous()
+    kv_b = (kv_a.view(torch.int16) ^ 0x0101).view(torch.bfloat16)  # other bits, the same shape
+    a = lc.build(kv_a, chunk_size=256, layers_per_object=10, block_size=16, codecs=["raw"], first_token=0)
+    b = lc.build(kv_b, chunk_size=256, layers_per_object=10, block_size=16, codecs=["raw"], first_token=0)
+    assert [c.slots for s in a.specs for c in s.chunks] == [c.slots for s in b.specs for c in s.chunks]
+    caches = a.caches("cuda", "HND")
+    layouts = [PackedKVLayout(a.geometry)] * len(caches)
+    store = open_store("memory://tail-then-load")
+    saver = Saver(store, a.addresses, CodecChooser("raw"), 1, 1 << 30, ConnectorStats())
+    fill = CudaFetcher(a.store, a.addresses, caches, layouts, 2, ConnectorStats())
+    load = CudaFetcher(b.store, b.addresses, caches, layouts, 2, ConnectorStats())
+    gather = CudaSaveGather(caches, layouts, saver)
+    load.placement.block_reads = gather.block_reads  # as the worker half wires them
+    try:
+        job = fill.submit(a.specs, 60)  # the finished request's KV: A
+        assert job.done.wait(60)
+        job.settle()
+        torch.cuda.synchronize()
+        chunks = [c for spec in a.specs for c in spec.chunks]
+        specs = [SimpleNamespace(req_id="tail", chunk_hash=c.chunk_hash, group_slots=[c.slots], tokens=len(c.slots))
+                 for c in chunks]
+        with gather.side.active():
+            torch.cuda._sleep(1_000_000_000)  # a busy save stream: the gathers below start about half a second late
+        for layer in range(len(caches)):
+            gather.gather_layer(layer, caches[layer], specs)
+        assert not gather.end_step(specs, lambda spec: True)
+        job = load.submit(b.specs, 60)  # vLLM handed the freed blocks to another request's load (B)
+        assert job.done.wait(60)
+        job.settle()
+        gather.flush()
+        assert saver.flush(60)
+        torch.cuda.synchronize()
+        assert lc.caches_equal(caches, b.expected()), "the load landed"
+        for chunk in chunks:
+            c = a.index[chunk.chunk_hash]
+            for g, layers in enumerate(a.addresses.groups):
+                got = decode_chunk(store.get(a.addresses.key(chunk.chunk_hash, g)))
+                want = kv_a[layers.start : layers.stop, :, c * 256 : (c + 1) * 256]
+                assert torch.equal(lc.bits(got), lc.bits(want)), "the tail was saved with the load's KV"
+    finally:
+        gather.shutdown()
+        saver.shutdown()
+        fill.shutdown()
+        load.shutdown()
 
 
 @pytest.mark.gpu

@@ -55,6 +55,14 @@ accelerator wheel: its CPU platform picks CPU_ATTN for the attention layers,
 but the wheel holds no CPU kernels, so every write goes through the layout
 as above. What that run tests is vLLM's scheduler, connector API and block
 bookkeeping of that version, through the same plans and checks.
+
+Tensor parallelism (``tp``): one worker half per rank, each told its rank as
+vLLM's parallel state would tell it, over its own share of the KV heads (the
+fake model's heads split as vLLM splits them); every step runs each rank's
+worker calls and hands vLLM's scheduler what vLLM's own ``KVOutputAggregator``
+makes of their outputs (its ``finished_recving`` counting, the reports
+merged). A rank that read wrong KV makes every rank's next layers wrong (their
+outputs are all-reduced), as on a real engine.
 """
 
 from __future__ import annotations
@@ -176,8 +184,25 @@ class StepRecord:
     saves: list[Any]
     invalid_blocks: set[int]
     finished_recving: set[str]
-    report: Any
+    report: Any  # the worker's report, before any was withheld (several ranks: as vLLM merged them)
     idle: bool  # the plan said nothing was scheduled (the worker may wait for async loads)
+    rank_reports: list[Any] = dataclasses.field(default_factory=list)  # each rank's own report
+
+
+@dataclasses.dataclass
+class Rank:
+    """One tensor-parallel rank: its worker connector and its caches, which hold its share of the KV heads."""
+
+    index: int
+    connector: Any
+    caches: dict[str, torch.Tensor]
+    layouts: dict[str, Any]
+    heads: slice
+
+    def share(self, kv: torch.Tensor) -> torch.Tensor:
+        """This rank's heads of ``[2, tokens, heads, head]`` KV (all of them at TP=1)."""
+        part = kv[:, :, self.heads]
+        return kv if part.shape == kv.shape else part.contiguous()
 
 
 class Engine:
@@ -189,11 +214,12 @@ class Engine:
         self, root: Path, store: str, *, block_size: int = 16, chunk_size: int = 32, num_blocks: int = 96,
         max_batched: int = 256, max_seqs: int = 8, policy: str | None = None, async_scheduling: bool = False,
         hooks: dict[str, Callable[..., None]] | None = None, windows: list[int | None] | None = None,
-        cache_dtype: str | None = None, settle_lookups: bool = True, kv_role: str = "kv_both", **extra: Any,
+        cache_dtype: str | None = None, settle_lookups: bool = True, kv_role: str = "kv_both", tp: int = 1,
+        **extra: Any,
     ) -> None:
-        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
-                                 VllmConfig, set_current_vllm_config)
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+                                 SchedulerConfig, VllmConfig, set_current_vllm_config)
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.model_executor.layers.attention.attention import Attention
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -201,10 +227,10 @@ class Engine:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
-        from vllm_kvcodec.connector import KVCodecConnector
         from vllm_kvcodec.paged.cpu_attn import vllm_write_op_available
 
         self.block_size, self.chunk_size, self.num_blocks = block_size, chunk_size, num_blocks
+        self.tp, self.heads = tp, KV_HEADS // tp  # each rank's KV heads
         extra.setdefault("lookup", LOOKUP)
         self.settle_lookups = settle_lookups
         self.hooks = hooks or {}
@@ -231,13 +257,14 @@ class Engine:
                                                  enable_chunked_prefill=True, async_scheduling=async_scheduling),
                 kv_transfer_config=KVTransferConfig(**transfer),
                 device_config=DeviceConfig("cpu"),
+                **({"parallel_config": ParallelConfig(tensor_parallel_size=tp)} if tp > 1 else {}),
             )
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.kv_cache_config = self._kv_cache_config()
         self.group_of = {n: g for g, group in enumerate(self.kv_cache_config.kv_cache_groups) for n in group.layer_names}
         with set_current_vllm_config(self.vllm_config), _skip_what_this_vllm_refuses_here():
-            self.layers = [Attention(4, HEAD, HEAD**-0.5, num_kv_heads=KV_HEADS, prefix=n, per_layer_sliding_window=w,
-                                     cache_config=self.vllm_config.cache_config)
+            self.layers = [Attention(4 // tp, HEAD, HEAD**-0.5, num_kv_heads=self.heads, prefix=n,
+                                     per_layer_sliding_window=w, cache_config=self.vllm_config.cache_config)
                            for n, w in zip(self.names, self.windows)]
         # vLLM's fp8 kernels run the VEC/AMX pages only, which need blocks of a multiple of 32 tokens (with
         # 16-token blocks vLLM picks VEC16 and its op refuses fp8): other block sizes write through the layout.
@@ -251,12 +278,11 @@ class Engine:
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(block_size, hash_fn)
-        with set_current_vllm_config(self.vllm_config):
-            self.worker = KVCodecConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
-        self.caches = self._allocate_caches()
-        self._register()
-        self.connector.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})  # as vLLM's EngineCore
-        self.layouts = dict(zip(self.names, self.worker.worker.layouts))
+        self.ranks = [self._rank(r) for r in range(tp)]
+        self.worker, self.caches, self.layouts = self.ranks[0].connector, self.ranks[0].caches, self.ranks[0].layouts
+        self.aggregator = KVOutputAggregator(tp)  # as vLLM's executor makes it: every worker reports
+        self.connector.set_xfer_handshake_metadata(  # as vLLM's EngineCore
+            {r.index: r.connector.get_handshake_metadata() for r in self.ranks})
         self.requests: dict[str, Any] = {}
         self.steps: list[StepRecord] = []
         self.finished: dict[str, Any] = {}
@@ -275,7 +301,7 @@ class Engine:
                                                 SlidingWindowSpec)
 
         fp8 = self.kv_dtype != torch.bfloat16
-        common = {"block_size": self.block_size, "num_kv_heads": KV_HEADS, "head_size": HEAD,
+        common = {"block_size": self.block_size, "num_kv_heads": self.heads, "head_size": HEAD,
                   "dtype": torch.uint8 if fp8 else torch.bfloat16,
                   "kv_quant_mode": KVQuantMode.FP8_PER_TENSOR if fp8 else KVQuantMode.NONE}
 
@@ -296,14 +322,31 @@ class Engine:
         for group in self.kv_cache_config.kv_cache_groups:
             for i, name in enumerate(group.layer_names):
                 if i not in tensors:
-                    tensors[i] = torch.zeros(self.num_blocks, KV_HEADS, self.block_size, 2 * HEAD, dtype=dtype)
+                    tensors[i] = torch.zeros(self.num_blocks, self.heads, self.block_size, 2 * HEAD, dtype=dtype)
                 caches[name] = tensors[i]
         return {n: caches[n] for n in self.names}
 
-    def _register(self) -> None:
+    def _rank(self, index: int) -> "Rank":
+        """Rank ``index``'s worker connector, told its rank as vLLM's parallel state tells it, over its own caches."""
+        import unittest.mock
+
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from vllm_kvcodec.connector import KVCodecConnector
+
+        with set_current_vllm_config(self.vllm_config), \
+                unittest.mock.patch("vllm_kvcodec.connector.facade._tp_rank", return_value=index):
+            connector = KVCodecConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        caches = self._allocate_caches()
+        self._register(connector, caches)
+        heads = slice(index * self.heads, (index + 1) * self.heads)
+        return Rank(index, connector, caches, dict(zip(self.names, connector.worker.layouts)), heads)
+
+    def _register(self, connector: Any, caches: dict[str, torch.Tensor]) -> None:
         """``register_kv_caches``; without an fp8 kernel here, with the layouts' op check skipped (see the module doc)."""
         if self._op_writes:
-            self.worker.register_kv_caches(self.caches)
+            connector.register_kv_caches(caches)
             return
         import unittest.mock
 
@@ -311,7 +354,7 @@ class Engine:
             layer.isa = "vec"  # what vLLM's metadata builder sets on an AVX-512 host without AMX
         with unittest.mock.patch("vllm_kvcodec.paged.factory.verify_with_vllm_op"), \
                 unittest.mock.patch("vllm_kvcodec.paged.factory.vllm_write_op_available", return_value=True):
-            self.worker.register_kv_caches(self.caches)
+            connector.register_kv_caches(caches)
 
     # ---- requests -------------------------------------------------------------------
     @property
@@ -406,45 +449,63 @@ class Engine:
             assert lookups.wait_idle(30.0), "the lookup thread did not answer"
 
     def _execute(self, out: Any) -> tuple[Any, Any, StepRecord]:
-        from vllm.v1.outputs import KVConnectorOutput
-
         meta = out.kv_connector_metadata
         tables = {r: self.block_tables(r) for r in out.num_scheduled_tokens}
         computed = self._computed_before(out)
         self._check_plans(out, meta, tables, computed)
         if "before_forward" in self.hooks:
             self.hooks["before_forward"](self, out)
-        w = self.worker
-        w.bind_connector_metadata(meta)
-        if out.has_sync_kv_loads:
-            w.start_load_kv(None)
+        workers = [rank.connector for rank in self.ranks]
+        for w in workers:
+            w.bind_connector_metadata(meta)
+            if out.has_sync_kv_loads:
+                w.start_load_kv(None)
         wrong: dict[str, str] = {}  # request -> what it read wrong, for this step
         for name in self.names:
-            w.wait_for_layer_load(name)
+            for w in workers:
+                w.wait_for_layer_load(name)
             self._forward_layer(name, out, tables, computed, wrong)
-            w.save_kv_layer(name, self.caches[name], None)
+            for rank in self.ranks:
+                rank.connector.save_kv_layer(name, rank.caches[name], None)
         if not out.has_sync_kv_loads:
-            w.start_load_kv(None)
-        w.wait_for_save()
-        results = w.get_transfer_results(out.finished_req_ids)
-        invalid = w.get_block_ids_with_load_errors()
-        report = w.build_connector_worker_meta()
-        delivered = self._withhold(report)
-        stats = w.get_kv_connector_stats()
-        w.clear_connector_metadata()
+            for w in workers:
+                w.start_load_kv(None)
+        kv_out, reports = self._worker_outputs(out)
         undelivered = self._pending[1].kv_connector_output.invalid_block_ids if self._pending else set()
-        self._check_context(tables, computed, invalid | undelivered, wrong)
-        kv_out = KVConnectorOutput(
-            finished_sending=results.finished_sending or None, finished_recving=results.finished_recving or None,
-            failed_recving=results.failed_recving, invalid_block_ids=invalid,
-            kv_connector_stats=stats, kv_connector_worker_meta=delivered,
-        )
+        self._check_context(tables, computed, kv_out.invalid_block_ids | undelivered, wrong)
+        report = reports[0] if len(reports) == 1 else kv_out.kv_connector_worker_meta
         record = StepRecord(len(self.steps), dict(out.num_scheduled_tokens), computed, list(meta.loads),
-                            list(meta.saves), set(invalid), set(results.finished_recving or ()), report, meta.idle)
+                            list(meta.saves), set(kv_out.invalid_block_ids), set(kv_out.finished_recving or ()),
+                            report, meta.idle, reports)
         self.steps.append(record)
         if not out.num_scheduled_tokens:
             time.sleep(IDLE_STEP_S)  # a real step takes time: let background loads run, as they would
         return out, self._runner_output(out, computed, kv_out), record
+
+    def _worker_outputs(self, out: Any) -> tuple[Any, list[Any]]:
+        """Each rank's end of the step (vLLM's calls after the forward), and what vLLM's scheduler is handed of
+        them: one rank's output as it is, several ranks' through vLLM's KVOutputAggregator. Also each rank's
+        own report (before any is withheld)."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        outputs, reports = [], []
+        for w in (rank.connector for rank in self.ranks):
+            w.wait_for_save()
+            results = w.get_transfer_results(out.finished_req_ids)
+            invalid = w.get_block_ids_with_load_errors()
+            report = w.build_connector_worker_meta()
+            reports.append(report)
+            outputs.append(KVConnectorOutput(
+                finished_sending=results.finished_sending or None, finished_recving=results.finished_recving or None,
+                failed_recving=results.failed_recving, invalid_block_ids=invalid,
+                kv_connector_stats=w.get_kv_connector_stats(), kv_connector_worker_meta=self._withhold(report),
+            ))
+            w.clear_connector_metadata()
+        if len(outputs) == 1:
+            return outputs[0], reports
+        merged = self.aggregator.aggregate([ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=o)
+                                            for o in outputs])
+        return merged.kv_connector_output, reports
 
     def _withhold(self, report: Any) -> Any:
         """The report vLLM gets now: without its load outcomes while ``withhold_load_reports`` (kept for later)."""
@@ -490,7 +551,8 @@ class Engine:
         raise Violation(f"{self.name}: not done after {max_steps} steps; left: {list(self.scheduler.requests)}")
 
     def flush(self) -> None:
-        assert self.worker.flush(60), "saves did not finish"
+        for rank in self.ranks:
+            assert rank.connector.flush(60), f"saves of rank {rank.index} did not finish"
 
     def _computed_before(self, out: Any) -> dict[str, int]:
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
@@ -513,25 +575,29 @@ class Engine:
             start = computed[req_id]
             tokens = self._tokens(req_id, start + n)
             stop = min(start + n, len(tokens))
-            problem = self._read_context(name, layer, tokens, tables[req_id][table_of], start)
-            if problem:
-                wrong.setdefault(req_id, problem)
+            for rank in self.ranks:
+                problem = self._read_context(rank, name, layer, tokens, tables[req_id][table_of], start)
+                if problem:
+                    wrong.setdefault(req_id, problem)
             if stop <= start:
                 continue
             kv = true_kv(tokens, start, stop, layer, self.kv_dtype)
             slots = slots_for_tokens(tables[req_id][table_of], self.block_size, start, stop)
-            self._write(name, slots, poisoned(kv) if req_id in wrong else kv)
+            for rank in self.ranks:
+                part = rank.share(kv)
+                self._write(rank, name, slots, poisoned(part) if req_id in wrong else part)
 
-    def _write(self, name: str, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    def _write(self, rank: "Rank", name: str, slots: torch.Tensor, kv: torch.Tensor) -> None:
         from vllm_kvcodec.paged.cpu_attn import vllm_write
 
         if self._op_writes:
-            vllm_write(self.caches[name], slots, kv, self.layouts[name].isa)
+            vllm_write(rank.caches[name], slots, kv, rank.layouts[name].isa)
         else:
-            self.layouts[name].scatter(self.caches[name], slots, kv)
+            rank.layouts[name].scatter(rank.caches[name], slots, kv)
 
-    def _read_context(self, name: str, layer: int, tokens: list[int], table: list[int], start: int) -> str:
-        """What attention reads for a request: its first ``start`` tokens' KV (a window layer: the window's). '' if right."""
+    def _read_context(self, rank: "Rank", name: str, layer: int, tokens: list[int], table: list[int], start: int) -> str:
+        """What attention reads for a request on one rank: its first ``start`` tokens' KV (a window layer: the
+        window's) of the rank's heads. '' if right."""
         from vllm_kvcodec.paged.slots import slots_for_tokens
 
         window = self.windows[layer]
@@ -539,12 +605,13 @@ class Engine:
         if start <= lo:
             return ""
         slots = slots_for_tokens(table, self.block_size, lo, start)
-        got = _bits(self.layouts[name].gather(self.caches[name], slots))
-        want = _bits(true_kv(tokens, lo, start, layer, self.kv_dtype))
+        got = _bits(rank.layouts[name].gather(rank.caches[name], slots))
+        want = _bits(rank.share(true_kv(tokens, lo, start, layer, self.kv_dtype)))
         if torch.equal(got, want):
             return ""
         bad = lo + int((got != want).reshape(2, start - lo, -1).any(-1).any(0).nonzero()[0])
-        return f"wrong KV at position {bad} of {start} (layer {name}, block {table[bad // self.block_size]})"
+        where = f", rank {rank.index}" if self.tp > 1 else ""
+        return f"wrong KV at position {bad} of {start} (layer {name}, block {table[bad // self.block_size]}{where})"
 
     def _tokens(self, req_id: str, upto: int) -> list[int]:
         """What the fake model computes on: the request's tokens, each media item's placeholders standing for its
@@ -674,23 +741,25 @@ class Engine:
         assert state == {"requests": [], "pending_loads": 0, "inflight_loads": [], "awaiting_room": [], "waiters": [],
                          "lookups": [], "prefetches": [], "finishing": []}, state
         self.flush()
-        worker = self.worker.worker
-        assert not worker._async_jobs and worker._sync_job is None
-        assert worker.save_gather._step is None and not worker._load_failures, "worker state left"
+        for rank in self.ranks:
+            worker = rank.connector.worker
+            assert not worker._async_jobs and worker._sync_job is None
+            assert worker.save_gather._step is None and not worker._load_failures, f"rank {rank.index} state left"
 
     def cached_block_ids(self) -> set[int]:
         """Blocks vLLM's prefix cache would hand out as a local hit."""
         pool = self.scheduler.kv_cache_manager.block_pool
         return {b.block_id for b in pool.blocks if b.block_hash is not None}
 
-    def stats(self) -> dict[str, float]:
-        return self.worker.stats()
+    def stats(self, rank: int = 0) -> dict[str, float]:
+        return self.ranks[rank].connector.stats()
 
     def scheduler_stats(self) -> dict[str, float]:
         return self.connector.stats()
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        for rank in self.ranks:
+            rank.connector.shutdown()
         self.connector.shutdown()
 
 

@@ -88,7 +88,8 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             apply_load_failure_policy(transfer, self.config)  # vLLM reads it right after creating this connector
-            self.scheduler = SchedulerHalf(self.config, namespace, len(groups), namespace.tp_size, cache_groups)
+            self.scheduler = SchedulerHalf(self.config, namespace, len(groups), namespace.tp_size, cache_groups,
+                                           loaders=loading_workers(vllm_config))
             self.scheduler.events = store_events_for(vllm_config, self.config, kv_cache_config, cache_groups.block_sizes,
                                                      saving_workers(namespace), self.scheduler.stats)
         else:
@@ -378,6 +379,13 @@ def saving_workers(namespace: Namespace) -> int:
     """How many workers report each chunk's save: every stage's saving ranks (one per stage for a replicated
     latent, whose other ranks only load)."""
     return len(stored_ranks(namespace, namespace.tp_size)) * len(namespace.stages())
+
+
+def loading_workers(vllm_config: "VllmConfig") -> int:
+    """How many workers report each load: all of them (each stage's TP ranks, a replicated latent's too: every
+    rank loads its copy), one report each, which vLLM's ``KVOutputAggregator`` hands the scheduler as it counts
+    their ``finished_recving`` (``world_size`` of them: this connector names no other count)."""
+    return vllm_config.parallel_config.world_size
 
 
 def _pp_rank() -> int:

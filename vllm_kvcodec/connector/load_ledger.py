@@ -20,6 +20,17 @@ Two facts outlive the request that learnt them:
 Entries in flight also expire, so a lost report can delay requests but never
 stall them.
 
+Every worker runs every load (each tensor-parallel rank of each pipeline
+stage, its own objects; a replicated latent's ranks all load the one object),
+and an async load may end on one rank steps before another: a load is settled
+only once all of them reported (:meth:`LoadLedger.report`, counting them as
+vLLM's ``KVOutputAggregator`` counts their ``finished_recving``), with their
+outcomes merged (failed where any failed). Until then it stays in flight: the
+rank still loading may still write its blocks, and its failure must be
+settled, and counted, with the load (the request's failed loads decide which
+of its saves the workers keep). A load that expires keeps counting its reports
+(no longer busy) until the last one arrives, within ``MAX_EXPIRED`` loads.
+
 Each load has its own id (:meth:`LoadLedger.start` returns it; the plan
 carries it and the worker's outcome echoes it), because request ids are not
 unique over time: vLLM randomizes them by default, but a user may fix them
@@ -39,12 +50,16 @@ of that chunk up to where it diverges).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from vllm_kvcodec.outcomes import LoadOutcome
 
 #: A failed chunk is skipped by lookups for this long unless a save of it lands first.
 FAILED_TTL_S = 60.0
+#: Expired loads kept to count their late reports (oldest dropped beyond it: at worst a late report is settled alone).
+MAX_EXPIRED = 1024
 
 
 @dataclasses.dataclass
@@ -57,13 +72,23 @@ class InflightLoad:
     block_ids: list[list[int]]  # the request's block tables (one per KV cache group) when the load was planned
     writes: list[set[int]]  # per KV cache group, the blocks the load writes
     expires: float
+    heard: LoadOutcome | None = None  # the outcomes of the workers that reported it so far, merged
+
+
+class Settled(NamedTuple):
+    """A load every worker reported: what it was (None: not known here), and all their outcomes merged."""
+
+    load: InflightLoad | None
+    outcome: LoadOutcome
 
 
 class LoadLedger:
-    def __init__(self, inflight_ttl_s: float, failed_ttl_s: float = FAILED_TTL_S) -> None:
+    def __init__(self, inflight_ttl_s: float, failed_ttl_s: float = FAILED_TTL_S, loaders: int = 1) -> None:
         self.inflight_ttl_s, self.failed_ttl_s = inflight_ttl_s, failed_ttl_s
-        self._ids = itertools.count(1)  # 0 is no load
+        self.loaders = loaders  # workers that run each load and report it
+        self._next_id = 1  # 0 is no load
         self._inflight: dict[int, InflightLoad] = {}  # load id -> the load
+        self._expired: dict[int, InflightLoad] = {}  # load id -> a load past its TTL some workers have not reported
         self._busy: dict[str, int] = {}  # chunk hash -> loads in flight that carry it
         self._writing: list[dict[int, int]] = []  # per KV cache group: block id -> loads in flight that write it
         self._failed: dict[str, float] = {}  # chunk hash -> when its failure was reported
@@ -72,7 +97,7 @@ class LoadLedger:
     def start(self, req_id: str, chunk_hashes: list[str], first_tokens: dict[str, int], block_ids: list[list[int]],
               writes: Sequence[Iterable[int]] = ()) -> int:
         """A load was planned: its id, which its plan and its outcome carry."""
-        load_id = next(self._ids)
+        load_id, self._next_id = self._next_id, self._next_id + 1
         load = InflightLoad(req_id, list(chunk_hashes), first_tokens, [list(t) for t in block_ids],
                             [set(g) for g in writes], time.monotonic() + self.inflight_ttl_s)
         self._inflight[load_id] = load
@@ -84,6 +109,29 @@ class LoadLedger:
             for b in blocks:
                 writing[b] = writing.get(b, 0) + 1
         return load_id
+
+    def next_id(self) -> int:
+        """The id the next load will get: every load planned from now on has this id or a higher one."""
+        return self._next_id
+
+    def report(self, outcome: LoadOutcome) -> Settled | None:
+        """Workers' outcome of load ``outcome.load_id`` (``outcome.ranks`` of them, as vLLM merged one step's).
+
+        None while some worker has not reported: the load stays as it was
+        (in flight, unless it expired). Once all did: the load, forgotten,
+        and every worker's outcome merged. An outcome of a load not known
+        here (id 0, or dropped long after it expired) is all there is.
+        """
+        load = self._inflight.get(outcome.load_id) or self._expired.get(outcome.load_id)
+        if load is None:
+            return Settled(None, outcome)
+        heard = outcome if load.heard is None else load.heard.merge(outcome)
+        if heard.ranks < self.loaders:
+            load.heard = heard
+            return None
+        self.settle(outcome.load_id)
+        self._expired.pop(outcome.load_id, None)
+        return Settled(load, heard)
 
     def settle(self, load_id: int) -> InflightLoad | None:
         """Load ``load_id`` has an outcome (or will never have one): forget it, return what it was."""
@@ -115,7 +163,9 @@ class LoadLedger:
     def _expire_inflight(self) -> None:
         now = time.monotonic()
         for load_id in [i for i, load in self._inflight.items() if load.expires <= now]:
-            self.settle(load_id)
+            self._expired[load_id] = self.settle(load_id)  # no longer busy; still counting its reports
+        while len(self._expired) > MAX_EXPIRED:
+            del self._expired[next(iter(self._expired))]
 
     # ---- failed ---------------------------------------------------------------------
     def mark_failed(self, chunk_hashes: Iterable[str]) -> None:

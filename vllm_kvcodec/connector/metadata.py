@@ -75,17 +75,20 @@ class LoadSpec:
 class SaveSpec:
     """One full chunk computed by this step (or earlier), to gather and store.
 
-    ``failures_seen`` is how many failed loads of this request the scheduler
-    half had heard of when it planned the save: a worker that knows of more
-    (a load failed in a step the plan did not yet know about, as with vLLM's
-    async scheduling) drops the save, because the chunk may have been computed
-    over KV that never arrived.
+    ``unsettled_loads`` are the ids of the request's loads whose outcome the
+    scheduler half had not heard of (from every worker) when it planned the
+    save: a worker on which one of them failed drops the save (the load
+    failed in a step the plan did not yet know about, as with vLLM's async
+    scheduling), because the chunk may have been computed over KV that never
+    arrived. Ids, not a count of failures: a rank whose load failed a step
+    after another rank's succeeded is judged by the same load, and a new
+    request under a finished one's id never inherits its failures.
     """
 
     req_id: str
     chunk_hash: str
     group_slots: list[list[int]]  # the chunk's slots in each KV cache group's blocks
-    failures_seen: int = 0
+    unsettled_loads: list[int] = dataclasses.field(default_factory=list)
     # its whole-block prefixes (hash, tokens), whose refs rank 0 writes (block_refs.py)
     refs: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     digests: TokenDigests | None = None  # its tokens, recorded in every object's header (token_digests.py)
@@ -131,8 +134,10 @@ class KVCodecWorkerReport(KVConnectorWorkerMetadata):
     """Outcomes since the last report; a load counts as failed if it failed on any worker.
 
     ``loads`` is keyed by request id: a worker reports each load once it ends (a sync load in its own step), and
-    vLLM admits a request id again only after the last request of that id is gone, so one report holds at most
-    one load per id. Which load of the requests that bore an id over time is each outcome's ``load_id``.
+    vLLM admits a request id again only after the last request of that id is gone (an async load holds it until
+    every worker reported its ``finished_recving``), so one report holds at most one load per id. Which load of
+    the requests that bore an id over time is each outcome's ``load_id``; how many workers' outcomes of it the
+    report holds, its ``ranks`` (the others report it in later steps: the scheduler half waits for them).
 
     ``save_room``: bytes the fullest worker's save queue could take when the
     report was built (None: no saver). A snapshot, not an event, so it is

@@ -52,7 +52,9 @@ class Prefetcher:
         self.store, self.budget, self.stats = store, budget, stats
         self._held: dict[str, _Held] = {}
         self._of_request: dict[str, set[str]] = {}
-        self._claimed: dict[str, _Held] = {}  # claimed by a submitted load, not yet taken by its fetch threads
+        # Claimed by submitted loads, oldest first, not yet taken by their fetch threads: a key fetched ahead
+        # again (for another waiting request) and claimed by a second load before the first took its copy has two.
+        self._claimed: dict[str, list[_Held]] = {}
         self._reserved = 0
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-prefetch")
@@ -82,7 +84,7 @@ class Prefetcher:
                 if held is not None:
                     for owner in held.owners:
                         self._of_request.get(owner, set()).discard(key)
-                    self._claimed[key] = held
+                    self._claimed.setdefault(key, []).append(held)
 
     def take(self, keys: list[str], wait_s: float = TAKE_WAIT_S) -> list[bytes | None]:
         """Per key, the bytes a load claimed (removed from the budget), or None: fetch it now.
@@ -93,7 +95,7 @@ class Prefetcher:
         """
         end = time.monotonic() + min(wait_s, TAKE_WAIT_S)
         with self._lock:
-            found = [self._claimed.pop(k, None) for k in keys]
+            found = [self._take_claimed(k) for k in keys]
         out: list[bytes | None] = []
         for held in found:
             blob = None
@@ -107,6 +109,16 @@ class Prefetcher:
                     self.stats.add(prefetch_used_bytes=len(blob))
             out.append(blob)
         return out
+
+    def _take_claimed(self, key: str) -> _Held | None:
+        """The oldest claimed copy of ``key`` (lock held): each claim's bytes are taken, and released, once."""
+        claimed = self._claimed.get(key)
+        if not claimed:
+            return None
+        held = claimed.pop(0)
+        if not claimed:
+            del self._claimed[key]
+        return held
 
     def give_up(self, req_id: str) -> None:
         """``req_id`` no longer waits for its objects (it loaded, ended or was preempted): drop those nobody else wants."""

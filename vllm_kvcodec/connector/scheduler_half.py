@@ -112,7 +112,7 @@ class _Tracked:
     next_save: int = 0  # first chunk not yet handed to the worker for saving
     computed: int = 0  # tokens computed before the current step
     save_attempts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    failures_seen: int = 0  # failed loads of this request reported so far (echoed in SaveSpec)
+    failures_seen: int = 0  # failed loads of this request reported so far
     deferred: set[int] = dataclasses.field(default_factory=set)  # chunks not planned while the store was down
     tail: Tail | None = None  # the whole blocks after the hit chunks found at the last lookup (block_hits)
     tail_planned: bool = False  # this request's own tail was planned for saving (or needs none)
@@ -126,7 +126,8 @@ class _Tracked:
 
 class SchedulerHalf:
     def __init__(self, config: ConnectorConfig, namespace: Namespace, groups: int, tp_size: int,
-                 cache_groups: CacheGroups) -> None:
+                 cache_groups: CacheGroups, loaders: int = 1) -> None:
+        """``loaders``: the workers that run each load and report its outcome (see load_ledger.py)."""
         self.config = config
         self.namespace = namespace
         self.groups = groups
@@ -137,7 +138,7 @@ class SchedulerHalf:
         self.digest_unit = digest_unit(cache_groups.hit_alignment, self.chunk)  # tokens per token digest
         self.store = open_connector_store(config)
         self.stats = ConnectorStats()
-        self.ledger = LoadLedger(inflight_ttl_s=config.load_timeout_s + INFLIGHT_SLACK_S)
+        self.ledger = LoadLedger(inflight_ttl_s=config.load_timeout_s + INFLIGHT_SLACK_S, loaders=loaders)
         self.claims = SaveClaims()
         self.events = StoreEvents.off()  # the facade turns them on when vLLM publishes KV events
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
@@ -387,8 +388,9 @@ class SchedulerHalf:
         if num_external_tokens <= 0:
             return
         start = tracked.local_tokens
-        chunks = self._chunk_loads(tracked, start, start + num_external_tokens)
-        first_tokens = {c.chunk_hash: max(start, (start // self.chunk + i) * self.chunk) for i, c in enumerate(chunks)}
+        numbered = self._chunk_loads(tracked, start, start + num_external_tokens)
+        chunks = list(numbered.values())
+        first_tokens = {c.chunk_hash: max(start, n * self.chunk) for n, c in numbered.items()}  # where eviction starts
         busy = [c.chunk_hash for c in chunks]
         if tracked.tail is not None and chunks and chunks[-1].chunk_hash == tracked.tail.chunk_hash:  # also busy under
             # its position (see _reads_inflight)
@@ -400,9 +402,10 @@ class SchedulerHalf:
                                             load_id=load_id))
         self.events.loading(load_id, request, chunks, tracked.hashes, tracked.tail, self.chunk)
 
-    def _chunk_loads(self, tracked: _Tracked, start: int, end: int) -> list[ChunkLoad]:
-        """Per chunk of ``[start, end)``, each group's allocated blocks there (a window group's window only)."""
-        loads = []
+    def _chunk_loads(self, tracked: _Tracked, start: int, end: int) -> dict[int, ChunkLoad]:
+        """Per chunk of ``[start, end)`` (by its number), each group's allocated blocks there (a window group's
+        window only); chunks with none are left out, so the loads' positions are not their chunks' numbers."""
+        loads = {}
         tail = tracked.tail
         for c in range(start // self.chunk, -(-end // self.chunk)):
             a, b = max(start, c * self.chunk), min(end, (c + 1) * self.chunk)
@@ -413,10 +416,10 @@ class SchedulerHalf:
             expect = self._digests(tracked, c, b - c * self.chunk)
             if tail is not None and c == tail.index:  # the load ends in the blocks found after the hit chunks
                 held = tail.stored_tokens
-                loads.append(ChunkLoad(tail.chunk_hash, spans, blocks, object_tokens=held if held < self.chunk else None,
-                                       expect=expect))
+                loads[c] = ChunkLoad(tail.chunk_hash, spans, blocks, object_tokens=held if held < self.chunk else None,
+                                     expect=expect)
             else:
-                loads.append(ChunkLoad(tracked.hashes[c], spans, blocks, expect=expect))
+                loads[c] = ChunkLoad(tracked.hashes[c], spans, blocks, expect=expect)
         return loads
 
     def _digests(self, tracked: _Tracked, index: int, tokens: int) -> TokenDigests:
@@ -551,7 +554,7 @@ class SchedulerHalf:
                    refs: list[tuple[str, int]]) -> SaveSpec:
         slots = [slots_for_tokens(table, bs, first, first + tokens).tolist() for table, bs in zip(tracked.block_ids, self.block_sizes)]
         self.events.saving(tracked.request, chunk_hash, first, tokens)
-        return SaveSpec(tracked.request.request_id, chunk_hash, slots, tracked.failures_seen, refs,
+        return SaveSpec(tracked.request.request_id, chunk_hash, slots, sorted(tracked.loads), refs,
                         self._digests(tracked, first // self.chunk, tokens))
 
     def _refs(self, tracked: _Tracked, index: int, tokens: int) -> list[tuple[str, int]]:
@@ -621,9 +624,13 @@ class SchedulerHalf:
             self._room_freed(report.save_room)
 
     def _load_settled(self, req_id: str, outcome: LoadOutcome) -> None:
-        """Settle the load the outcome names (``load_id``): the request now bearing ``req_id`` may be a new one,
-        whose own load stays in flight and whose hit this outcome says nothing about."""
-        load = self.ledger.settle(outcome.load_id)
+        """Settle the load the outcome names (``load_id``) once every worker that runs it reported (a rank that
+        ends it steps after another is heard then, with the same load): the request now bearing ``req_id`` may
+        be a new one, whose own load stays in flight and whose hit this outcome says nothing about."""
+        settled = self.ledger.report(outcome)
+        if settled is None:
+            return  # some worker still runs it: still in flight, and its outcome still untold
+        load, outcome = settled
         tracked = self._requests.get(req_id)
         if tracked is not None and outcome.load_id in tracked.loads:
             tracked.loads.discard(outcome.load_id)

@@ -89,8 +89,9 @@ class WorkerHalf:
         self._load_balance = LoadBalance()  # whether recent sync loads were bound by their fetches or their decode
         self._async_jobs: dict[str, LoadJob] = {}
         self._load_errors: set[int] = set()
-        # Failed loads per request: its saves planned before the scheduler heard of the latest are dropped.
-        self._load_failures: collections.Counter[str] = collections.Counter()
+        # Per request, the ids of its loads that failed here: its saves planned before the scheduler heard of
+        # one of them (SaveSpec.unsettled_loads) are dropped.
+        self._load_failures: dict[str, set[int]] = {}
         self._load_outcomes: dict[str, LoadOutcome] = {}
         self._load_ids: dict[str, int] = {}  # request -> the scheduler's id of its load running here (echoed)
         self._save_outcomes: list[SaveOutcome] = []
@@ -144,6 +145,7 @@ class WorkerHalf:
                            self.config.max_pending_save_bytes, self.stats, report=self._save_settled,
                            nice=self.config.save_thread_nice)
         self.save_gather = save_gather_for(caches, ordered, self.saver, self.layer_cache_groups, self.objects)
+        self.fetcher.placement.block_reads = self.save_gather.block_reads  # loads wait for reads of their blocks
         if self.config.save and self.config.upgrade_fallback_chunks and self.chooser.behind is not None:
             self.upgrader = Upgrader(self.store, self.chooser, self.saver.idle, self.stats)
             self.fetcher.after_load = self.upgrader.offer
@@ -314,11 +316,12 @@ class WorkerHalf:
         if not self.cache_groups.multi:
             self._load_errors |= job.failed_blocks  # one group: vLLM recomputes from the first failed block
         for req_id, outcome in job.outcomes().items():
+            load_id = self._load_ids.pop(req_id, 0)
             if outcome.failed:
-                self._load_failures[req_id] += 1
+                self._load_failures.setdefault(req_id, set()).add(load_id)
                 if self.cache_groups.multi:
                     self._failed_recving.add(req_id)  # several groups: vLLM takes failures per request only
-            self._load_outcomes[req_id] = dataclasses.replace(outcome, load_id=self._load_ids.pop(req_id, 0))
+            self._load_outcomes[req_id] = dataclasses.replace(outcome, load_id=load_id)
 
     def _abandon(self, job: LoadJob) -> None:
         """The request ended while its load ran: stop writing; what was not loaded did not *fail*."""
@@ -405,8 +408,9 @@ class WorkerHalf:
             self._save_settled(SaveOutcome(spec.req_id, spec.chunk_hash, landed=False, needs_room=needs))  # planned again
 
     def _computed_over_good_kv(self, spec: SaveSpec) -> bool:
-        """False when a load of the request failed after the plan was made: the chunk may rest on missing KV."""
-        if self._load_failures.get(spec.req_id, 0) > spec.failures_seen:
+        """False when a load of the request failed here that the scheduler had not heard of when it planned the
+        save: the chunk may rest on missing KV."""
+        if not self._load_failures.get(spec.req_id, set()).isdisjoint(spec.unsettled_loads):
             self.stats.add(saves_skipped_after_load_failure=1)
             return False
         return True

@@ -52,6 +52,13 @@ class SideStream:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
+    def side_waits_for(self, events: list[torch.cuda.Event]) -> None:
+        """Make the side stream wait on the device for ``events`` of other streams: what is enqueued on it from now
+        on runs after them (no host synchronisation)."""
+        if self.stream is not None:
+            for event in events:
+                self.stream.wait_event(event)
+
     def side_waits_for_compute(self) -> None:
         """Make the side stream wait for what the caller's current stream has enqueued (e.g. a layer's KV writes)."""
         if self.stream is not None:

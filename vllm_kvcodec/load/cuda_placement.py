@@ -35,6 +35,11 @@ Triton compiles a kernel on its first launch of each specialisation: the
 fetcher's threads would compile the same one at once, so :meth:`CudaPlacement.warm`
 launches them on the constructing thread first (on a CUDA device).
 
+Before a load's first object is enqueued, the side stream waits on the device
+for the save path's reads of the blocks it writes (:mod:`~vllm_kvcodec.gpu.block_reads`):
+vLLM may hand a load the blocks of a request whose tail was gathered, on the
+save path's own stream, a step before.
+
 Cancellation (the deadline passed) forbids new scatters as on the host, then
 makes the engine's stream wait for those already enqueued, so none can land
 after vLLM starts recomputing those blocks.
@@ -44,7 +49,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -57,6 +62,7 @@ from vllm_kvcodec.codecs.video_layout import geometry as video_geometry
 from vllm_kvcodec.device_chunks import is_nvdec_video, parse_video_payload, value_check
 from vllm_kvcodec.format import ChunkHeader, decode_payload, payload_of
 from vllm_kvcodec.gpu import nvcodec
+from vllm_kvcodec.gpu.block_reads import layout_blocks
 from vllm_kvcodec.gpu.launch import can_run_on, interpreted
 from vllm_kvcodec.gpu.nvdec_join_triton import READBACK_BYTES, exponent_digest_into, join_exponents
 from vllm_kvcodec.gpu.nvdec_sessions import NvdecDecoders, PlanesSession, SessionPool
@@ -70,6 +76,9 @@ from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PagedLayout
 from vllm_kvcodec.paged.objects import PageObjects
 from vllm_kvcodec.spans import Span
+
+if TYPE_CHECKING:  # imports vLLM; the load path itself must not (the GPU check runs without it)
+    from vllm_kvcodec.connector.metadata import ChunkLoad
 
 FLAG_BYTES = 8  # two int32 device validation flags of a SplitZip decode
 
@@ -124,6 +133,7 @@ class CudaPlacement(Placement):
         self.side = SideStream(self.device)
         self.pages = packed_pages_for(caches, layouts)
         self.group_slots = _slots_per_group(caches, layouts, self.cache_groups)
+        self.group_block_size = {group: layout.block_size for layout, group in zip(layouts, self.cache_groups)}
         self.staging = StagingPool(threads, pin=self.device.type == "cuda")
         self.nvdec = NvdecDecoders(self.device, threads, video_sessions)
 
@@ -177,6 +187,17 @@ class CudaPlacement(Placement):
             if check is not None:
                 check.verify(host[at_back:].numpy().tobytes())
         return Decoded(kv, list(spans), on_device, _per_group(dev_slots, spans))
+
+    def order_after_reads(self, chunks: list[ChunkLoad]) -> None:
+        """The side stream waits (on the device) for the save gathers that read any block these chunks write."""
+        if self.block_reads is None:
+            return
+        blocks: set[int] = set()
+        for chunk in chunks:
+            for group, span in enumerate(chunk.spans):
+                if span.slots:
+                    blocks |= layout_blocks(span.slots, self.group_block_size[group])
+        self.side.side_waits_for(self.block_reads.pending(blocks))
 
     def _checked_slots(self, spans: list[Span]) -> list[int]:
         """Every group's slots in one list (staged and copied at once), each checked against its own group's cache."""

@@ -64,6 +64,7 @@ from vllm_kvcodec.torch_threads import one_torch_thread
 
 if TYPE_CHECKING:  # imports vLLM; the fetcher itself must not (the GPU check runs without it)
     from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
+    from vllm_kvcodec.gpu.block_reads import BlockReads
     from vllm_kvcodec.connector.prefetch import Prefetcher
     from vllm_kvcodec.stats import ConnectorStats
 
@@ -138,6 +139,8 @@ class Placement(abc.ABC):
         self.caches, self.layouts = caches, layouts
         self.cache_groups = cache_groups or [0] * len(caches)  # the vLLM KV cache group of each layer
         self.objects: ObjectLayout = CanonicalObjects()  # the fetcher sets its namespace's
+        #: The save path's reads of paged blocks (a GPU gather's, gpu/block_reads.py): set by the worker half.
+        self.block_reads: BlockReads | None = None
 
     def new_job(self, group_layers: list[list[int]], objects_per_group: int, req_ids: list[str]) -> LoadJob:
         return LoadJob(group_layers, objects_per_group, req_ids)
@@ -152,6 +155,10 @@ class Placement(abc.ABC):
 
     def shutdown(self) -> None:
         """Release streams or staging memory, if any."""
+
+    def order_after_reads(self, chunks: list[ChunkLoad]) -> None:
+        """Before any write of these loads is enqueued: order them after the save path's reads of their blocks
+        (nothing to order where copies finish before they return)."""
 
     def write_layers(self, layers: range, decoded: Decoded) -> None:
         """Each layer's part of ``decoded`` through the object layout, its group's span checked once per object."""
@@ -217,6 +224,7 @@ class Fetcher:
         for g in range(len(self.groups)):
             for i, (spec, chunk) in enumerate(chunks):
                 job.expect(g, i, spec.req_id, chunk.chunk_hash, chunk.block_ids)
+        self.placement.order_after_reads([chunk for _, chunk in chunks])
         for g in range(len(self.groups)):  # layer-group order: the first layers' KV arrives first
             for batch in self._batches(g, [(i, chunk) for i, (_, chunk) in enumerate(chunks)]):
                 with self._settled:

@@ -9,8 +9,11 @@ otherwise). At the end of the step each complete chunk gets one device-to-host
 copy into pinned memory, and a small thread hands it to the Saver once the copy
 has landed (encode and put stay as on the CPU). The engine's stream then waits
 for the gathers *on the device*, so vLLM cannot reuse those blocks before they
-are read: the engine thread never synchronises with the GPU. Budget, admission
-and the end-of-step rules are :class:`~vllm_kvcodec.save.gather_base.SaveGather`'s.
+are read: the engine thread never synchronises with the GPU. The blocks each
+step read are recorded with that event (:class:`~vllm_kvcodec.gpu.block_reads.BlockReads`):
+a load that vLLM hands those blocks after they are freed (a finished request's
+tail is gathered in the step before) makes its own side stream wait for it.
+Budget, admission and the end-of-step rules are :class:`~vllm_kvcodec.save.gather_base.SaveGather`'s.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from vllm_kvcodec.gpu.block_reads import BlockReads, layout_blocks
 from vllm_kvcodec.gpu.scatter_triton import check_slots, packed_pages_for
 from vllm_kvcodec.gpu.side_stream import SideStream
 from vllm_kvcodec.outcomes import SaveOutcome
@@ -39,6 +43,8 @@ class CudaSaveGather(SaveGather):
         self.num_slots = layouts[0].num_slots(caches[0])
         self._buffers: dict[int, torch.Tensor] = {}
         self._slots: dict[tuple[int, int], torch.Tensor] = {}  # (save index, cache group) -> device slots
+        self.block_reads = BlockReads()  # what loads into the same blocks wait for (the worker hands it on)
+        self._read: set[int] = set()  # the blocks this step's gathers read
         self._handoff = ThreadPoolExecutor(1, thread_name_prefix="kvcodec-d2h")
 
     def _copy(self, index: int, layer: int, kv_layer: torch.Tensor, slots: list[int]) -> None:
@@ -51,6 +57,7 @@ class CudaSaveGather(SaveGather):
             if key not in self._slots:
                 check_slots(slots, self.num_slots)
                 self._slots[key] = torch.tensor(slots, dtype=torch.int64).to(kv_layer.device, non_blocking=True)
+                self._read |= layout_blocks(slots, a.block_size)
             buf, dev_slots = self._buffers[index], self._slots[key]
             if isinstance(self.objects, PageObjects):  # whole pages: block copies on the device
                 self.objects.read(a, kv_layer, slots, buf[layer])
@@ -78,10 +85,14 @@ class CudaSaveGather(SaveGather):
             self.saver.report(SaveOutcome(spec.req_id, spec.chunk_hash, landed=False))
 
     def _finish_step(self) -> None:
-        """Drop unsubmitted buffers; the engine's stream waits (on the device) for every gather so far."""
+        """Drop unsubmitted buffers; the engine's stream waits (on the device) for every gather so far, and so
+        will any load into the blocks they read."""
         self._buffers.clear()
         self._slots.clear()
-        self.side.compute_waits(self.side.record())
+        read = self.side.record()
+        self.side.compute_waits(read)
+        self.block_reads.record(self._read, read)
+        self._read = set()
 
     def flush(self) -> None:
         self._handoff.submit(lambda: None).result()

@@ -21,6 +21,7 @@ from vllm_kvcodec.paged.objects import CanonicalObjects, ObjectLayout
 
 if TYPE_CHECKING:
     from vllm_kvcodec.format import TokenDigests
+    from vllm_kvcodec.gpu.block_reads import BlockReads
     from vllm_kvcodec.paged import PagedLayout
 
 
@@ -54,6 +55,9 @@ class SaveGather(abc.ABC):
         self.cache_groups = cache_groups or [0] * len(caches)  # the vLLM KV cache group of each layer
         self.objects = objects if objects is not None else CanonicalObjects()  # what one stored object holds
         self._step: Sequence[SaveSpecLike] | None = None
+        #: A GPU gather's reads of paged blocks, which a load into the same blocks must wait for (gpu/block_reads.py);
+        #: None where copies finish before they return.
+        self.block_reads: BlockReads | None = None
         self._admitted: dict[int, int] = {}  # save index -> reserved bytes
         self._layers_done: dict[int, int] = {}
 
