@@ -143,3 +143,43 @@ def test_store_down_at_start_and_mid_run_serves_by_recompute_then_hits_again(pro
         serve(llm, prompts, reference, [("b", 4), ("b", 7), ("a", 5)], conn)
         assert conn.stats()["loaded_tokens"] == 3 * PREFIX
 
+
+
+def test_values_returned_for_other_keys_give_the_right_tokens(prompts, reference, tmp_path: Path) -> None:
+    """A store that answers with other prompts' values (swapped objects, swapped refs, a ref bound to its own key
+    but naming another prompt's object): each is a refused or failed load, recomputed, and the tokens are the
+    reference's. Chunk 256 over blocks of 128: each prefix's last 128 tokens are a tail found through a ref."""
+    from vllm_kvcodec.block_refs import Ref, encode_ref, ref_key
+    from vllm_kvcodec.keys import chunk_hashes, object_key, tail_hash
+
+    root = tmp_path / "store"
+    extra = {"chunk_size": 256, "model_id": "smollm2-trust", "prefetch_bytes": 0}
+    with engine(connector_config(f"file://{root}", "rans", **extra), dtype="float32", prefix_caching=False) as llm:
+        conn = worker_connector()
+        serve(llm, prompts, reference, [("a", 0), ("b", 1)], conn)  # both prefixes: chunk 0, and a 128-token tail
+        ns, store = conn.worker.namespace, open_store(f"file://{root}")
+        a, b = prompts[("a", 0)], prompts[("b", 1)]
+
+        def objects(tokens: list[int]) -> list[str]:
+            return [object_key(ns, chunk_hashes(ns, tokens, 1)[0], 0, g) for g in range(len(ns.layer_groups()))]
+
+        def tail_ref(tokens: list[int]) -> tuple[str, str]:
+            prefix = tail_hash(ns, tokens, chunk_hashes(ns, tokens, 1), 128)
+            return prefix, ref_key(ns, prefix)
+
+        def swap(x: str, y: str) -> None:
+            vx, vy = store.get(x), store.get(y)
+            store.put(x, vy)
+            store.put(y, vx)
+
+        swap(tail_ref(a)[1], tail_ref(b)[1])  # b's ref in a's slot: bound to b's prefix, so no ref
+        serve(llm, prompts, reference, [("a", 2)], conn)  # chunk 0 loads; the tail is computed (and saved again)
+        assert scheduler_stats()["refs_invalid"] >= 1
+        prefix, key = tail_ref(a)  # a's ref, rewritten: bound to its own key, naming b's tail
+        store.put(key, encode_ref(prefix, 128, Ref(tail_hash(ns, b, chunk_hashes(ns, b, 1), 128), 128)))
+        serve(llm, prompts, reference, [("a", 5)], conn)
+        assert conn.stats()["load_failures_tokens"] >= 1
+        for x, y in zip(objects(a), objects(b)):  # b's chunk 0 in a's place: bound to b's key
+            swap(x, y)
+        serve(llm, prompts, reference, [("a", 0)], conn)
+        assert conn.stats()["load_failures_corrupt"] >= 1

@@ -63,13 +63,15 @@ def engine(kv_transfer_config: dict[str, Any] | None = None, dtype: str = "bfloa
         cleanup_dist_env_and_memory()
 
 
-def greedy(llm: Any, token_ids: list[int], max_tokens: int = 12, cache_salt: str | None = None) -> list[int]:
+def greedy(llm: Any, token_ids: list[int], max_tokens: int = 12, cache_salt: str | None = None,
+           lora_request: Any = None) -> list[int]:
     from vllm import SamplingParams
 
     prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
     if cache_salt is not None:
         prompt["cache_salt"] = cache_salt
-    out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
+    out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False,
+                       lora_request=lora_request)
     return list(out[0].outputs[0].token_ids)
 
 

@@ -1,0 +1,52 @@
+"""Two engines on one store serving a LoRA adapter of one name from two paths never share KV.
+
+vLLM keys its own prefix cache by the adapter's name and path; a shared
+store meets every instance of a fleet, and one name may point at other
+weights on another instance. Each engine's greedy tokens must equal its own
+local-prefix-cache run; the adapter whose weights did compute the stored
+chunks still loads them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.engine import connector_config, engine, greedy, worker_connector
+from tests.support.lora import make_adapter
+
+pytestmark = pytest.mark.engine
+
+LORA = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    return make_adapter(root / "p1", seed=1), make_adapter(root / "p2", seed=2)
+
+
+def test_one_adapter_name_from_two_paths_never_shares_chunks(adapters, tmp_path: Path) -> None:
+    from vllm.lora.request import LoRARequest
+
+    from vllm_kvcodec.tools.smollm2 import sample_token_ids
+
+    ids = sample_token_ids(1800)[1200:]  # 600 tokens: 4 chunks of 128 stored
+    store = connector_config(f"file://{tmp_path / 'store'}", chunk_size=128)
+    p1, p2 = (LoRARequest("a", 1, str(p)) for p in adapters)
+    with engine(store, **LORA) as llm:
+        greedy(llm, ids, lora_request=p1)  # computes and saves the prefix
+        own_p1 = greedy(llm, ids, lora_request=p1)  # vLLM's local prefix cache serves the prefix
+        assert worker_connector().flush()
+        assert worker_connector().stats()["saved_chunks"] == 4
+    with engine(store, **LORA) as llm:
+        conn = worker_connector()
+        served = greedy(llm, ids, lora_request=p2)
+        assert conn.stats().get("loaded_tokens", 0) == 0, "P2's request loaded chunks P1's adapter computed"
+        assert served == greedy(llm, ids, lora_request=p2)  # its own local-cache run
+        assert conn.flush()
+    with engine(store, **LORA) as llm:
+        conn = worker_connector()
+        assert greedy(llm, ids, lora_request=p1) == own_p1
+        assert conn.stats()["loaded_tokens"] == 512  # the same name and path and weights do share
