@@ -180,6 +180,7 @@ def test_real_engine_configs_get_separate_namespaces() -> None:
     assert _namespace(dtype="float16").digest != bf16.digest
     assert _namespace(connector={"salt": "blue"}).digest != bf16.digest
     assert '"platform": "cpu"' in bf16.compute and '"isa"' in bf16.compute
+    assert _namespace(enforce_eager=False).compute != bf16.compute  # compiled kernels: other bits (identity.py)
     portable = _namespace(connector={"share_across_platforms": True})
     assert portable.compute == "" and portable.digest != bf16.digest
 
