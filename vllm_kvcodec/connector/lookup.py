@@ -213,18 +213,18 @@ class AsyncLookup:
         first = probe is None
         if probe is None:
             probe = self._probes.get(key)
-            if probe is None:
+            new = probe is None
+            if new:
                 probe = self._probes[key] = _Probe(key, question)
                 self._asked = True
             else:
                 self.stats.add(lookups_shared=1)
             probe.requests.add(req_id)
             self._of_request[req_id] = probe
-            if probe.deadline is None and probe not in self._batch:
-                if self._wait_left():
-                    self._submit([probe])  # asked now: its answer may come within this step
-                else:
-                    self._batch.append(probe)
+            if new and self._wait_left():
+                self._submit([probe])  # asked now: its answer may come within this step
+            elif new:
+                self._batch.append(probe)  # asked with the step's other questions at its end
         if probe.answer is None and probe.deadline is not None:
             if time.monotonic() >= probe.deadline:
                 self._settle(probe, TIMED_OUT)

@@ -62,6 +62,7 @@ def run(
     link: str | None = None,
     lookups: tuple[str, ...] = (),
     prefetches: tuple[int, ...] = (),
+    baseline: bool | None = None,
 ) -> dict[str, Any]:
     from vllm_kvcodec.tools.smollm2 import model_dir
 
@@ -79,6 +80,10 @@ def run(
             if lookups or prefetches:  # one loading server per variant, in turns, after the save that fills their store
                 variants = load_variants(lookups, prefetches)
                 order = ("save", *(variants if r % 2 == 0 else reversed(variants)))
+                if baseline:
+                    order = ("none", *order) if r % 2 == 0 else (*order, "none")
+            elif baseline is False:
+                order = ("save", "load")
             for kind in order:
                 console.log(f"[{r + 1}/{repeats}] {kind}: starting a server")
                 result = _one_run(kind, model, url, connector, client, tmp / f"r{r}-{kind}")
@@ -289,6 +294,13 @@ def _print(result: dict[str, Any]) -> None:
                   f"(with {result['save_codec_when_behind'] or 'the same codec'}); objects, ratio: what the store held after "
                   "the server stopped (its shutdown flushes queued saves), raw KV over stored bytes; upgraded: objects "
                   "the loading server re-encoded with the configured codec after loading them (upgrade_fallback_chunks)")
+    for r in result["runs"]:
+        k = r["counters"]
+        if k.get("lookups"):
+            console.print(f"{r['kind']} #{r['repeat'] + 1} lookups: {k['lookups']:.0f}, answered within their step "
+                          f"{k.get('lookups_answered_in_step', 0):.0f}, retries {k.get('lookup_retries', 0):.0f}, "
+                          f"scheduler waited {k.get('lookup_wait_seconds', 0) * 1e3:.1f} ms, steps inline / thread "
+                          f"{k.get('lookup_steps{mode=inline}', 0):.0f} / {k.get('lookup_steps{mode=thread}', 0):.0f}")
     for kind, s in result["summary"].items():
         vs = f", throughput {s['throughput_vs_none']:.2f}x none" if "throughput_vs_none" in s else ""
         console.print(f"{kind}: mean of {s['runs']}: {s['request_throughput']:.2f} req/s, TTFT mean "
