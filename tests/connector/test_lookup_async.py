@@ -266,14 +266,14 @@ def test_auto_moves_lookups_to_the_thread_while_the_store_is_slow_and_back(tmp_p
     the thread (the request waits a step, nobody waits for the store); once it is fast again, back within the step.
     Both switches are logged and counted."""
     caplog.set_level(logging.INFO, logger="vllm_kvcodec")
-    e = make(tmp_path, fast_link(store), lookup="auto", lookup_budget_ms=40, settle_lookups=False)
+    e = make(tmp_path, fast_link(store), lookup="auto", lookup_budget_ms=100, settle_lookups=False)
     budget = measured(e)
     assert budget.inline
     link = e.connector.scheduler.store.inner
-    link._rtt = 0.4  # the emulated link slows to 400 ms a round trip
+    link._rtt = 0.5  # the emulated link slows to 500 ms a round trip
     e.add("slow", prompt(100, 1), max_tokens=2)
     asked = e.step()
-    assert "slow" not in asked.scheduled and budget._spent == 0  # waited its budget, then a fresh one
+    assert "slow" not in asked.scheduled and e.scheduler_stats()["lookup_wait_s"] >= 0.09  # its budget, in vain
     _wait(lambda: (e.step(), not budget.inline)[1])  # the answer outgrew the budget: on the thread
     e.run(max_steps=2000)
     link._rtt = 0.0
@@ -288,7 +288,7 @@ def test_auto_moves_lookups_to_the_thread_while_the_store_is_slow_and_back(tmp_p
     e.run()
     stats = e.scheduler_stats()
     assert stats["lookup_mode_switches_thread"] == 1 and stats["lookup_mode_switches_inline"] == 1
-    assert stats["lookup_steps_thread"] >= 1 and stats["lookup_wait_s"] > 0
+    assert stats["lookup_steps_thread"] >= 1
     messages = list(dict.fromkeys((r.created, r.getMessage()) for r in caplog.records))  # once per record
     assert sum("lookups on the lookup thread" in m for _, m in messages) == 1
     assert sum("lookups answered within the step" in m for _, m in messages) == 2  # first choice, and back
@@ -298,7 +298,7 @@ def test_auto_moves_lookups_to_the_thread_while_the_store_is_slow_and_back(tmp_p
 def test_auto_never_holds_a_step_on_a_store_that_hangs(tmp_path, store) -> None:
     """The store stops answering while lookups are waited for within the step: the step returns after its budget
     (not after the store), the request computes once lookup_timeout_s passed, and nothing is left behind."""
-    e = make(tmp_path, fast_link(store), lookup="auto", lookup_budget_ms=40, lookup_timeout_s=0.3,
+    e = make(tmp_path, fast_link(store), lookup="auto", lookup_budget_ms=100, lookup_timeout_s=0.3,
              settle_lookups=False)
     assert measured(e).inline
     counting = count_checks(e)

@@ -16,10 +16,12 @@ costs fits the step's budget, and does not wait at all while it does not.
   last a second, where 1 ms answers two lookups of a burst that would fill
   the step.
 - **What a lookup costs** is the time the store took to answer the
-  thread's batches (a moving average; at start, a probe of empty existence
-  checks) and, while the thread is answering one, how long it has been at
-  it: a store that starts to hang is seen within the step, not after
-  ``lookup_timeout_s``.
+  thread's batches: the median of the last :data:`SAMPLES` (at start, a
+  probe of empty existence checks, whose first pays for a cold connection
+  or cache), or the last one if that was slower (one fast answer proves
+  little, one slow one is reason enough not to wait), and, while the
+  thread is answering one, how long it has been at it: a store that starts
+  to hang is seen within the step, not after ``lookup_timeout_s``.
 - **Inline** (the step waits, up to what is left of its budget) while that
   cost is within the budget; **on the thread** (nobody waits) past it; back
   once the cost is under half the budget, so a store near the budget does
@@ -41,8 +43,8 @@ logger = logging.getLogger("vllm_kvcodec")
 
 #: Steps the engine's step time is the median of.
 STEPS = 16
-#: Weight of a new sample in the moving average of a lookup's cost.
-ALPHA = 0.3
+#: Batches (and start-up probes) a lookup's cost is the median of.
+SAMPLES = 5
 #: Back to inline once a lookup costs at most this share of the budget (it left inline above all of it).
 HYSTERESIS = 0.5
 
@@ -60,7 +62,7 @@ class LookupBudget:
         self.floor_s, self.share = floor_s, share
         self.budget_s = floor_s
         self.inline = False  # until a lookup's cost is known
-        self._cost: float | None = None
+        self._costs: collections.deque[float] = collections.deque(maxlen=SAMPLES)
         self._busy_since: float | None = None
         self._decided = False
         self._spent = 0.0
@@ -76,7 +78,7 @@ class LookupBudget:
     # ---- scheduler thread ---------------------------------------------------------
     def observe(self, seconds: float) -> None:
         """The store answered a batch (or the start-up probe) in ``seconds``."""
-        self._cost = seconds if self._cost is None else (1 - ALPHA) * self._cost + ALPHA * seconds
+        self._costs.append(seconds)
         self.stats.sample(lookup_s=seconds)
         self.choose()
 
@@ -84,9 +86,9 @@ class LookupBudget:
         """Seconds a lookup costs the store, as far as known: at least as long as the batch in the thread has taken."""
         busy = self._busy_since
         age = time.monotonic() - busy if busy is not None else 0.0
-        if self._cost is None:
+        if not self._costs:
             return age or None
-        return max(self._cost, age)
+        return max(statistics.median(self._costs), self._costs[-1], age)
 
     def wait_left(self) -> float:
         """Seconds the scheduler may still wait for answers in this step (0 on the thread)."""
