@@ -223,12 +223,13 @@ def _tree_cpu_s(pid: int) -> float:
 
 
 def _counters(scrape: dict[tuple[str, frozenset], float]) -> dict[str, float]:
-    """The connector's counters from a /metrics scrape, summed over engines (and labels, keyed ``name{label}``)."""
+    """The connector's counters from a /metrics scrape, summed over engines (and labels, keyed ``name{label}``), and
+    its histograms' sums and counts (``name_sum``, ``name_count``)."""
     out: dict[str, float] = {}
     for (name, labels), value in scrape.items():
-        if not (name.startswith(PREFIX) and name.endswith("_total")):
+        if not name.startswith(PREFIX) or not name.endswith(("_total", "_sum", "_count")):
             continue
-        short = name[len(PREFIX) : -len("_total")]
+        short = name[len(PREFIX) :].removesuffix("_total")
         extra = {k: v for k, v in labels if k not in ("engine", "model_name")}
         key = short + ("{" + ",".join(f"{k}={v}" for k, v in sorted(extra.items())) + "}" if extra else "")
         out[key] = out.get(key, 0.0) + value
@@ -297,10 +298,12 @@ def _print(result: dict[str, Any]) -> None:
     for r in result["runs"]:
         k = r["counters"]
         if k.get("lookups"):
+            trips = k.get("lookup_round_trip_seconds_count", 0)
+            rtt = f", store answered a lookup batch in {k['lookup_round_trip_seconds_sum'] / trips * 1e3:.2f} ms" if trips else ""
             console.print(f"{r['kind']} #{r['repeat'] + 1} lookups: {k['lookups']:.0f}, answered within their step "
                           f"{k.get('lookups_answered_in_step', 0):.0f}, retries {k.get('lookup_retries', 0):.0f}, "
                           f"scheduler waited {k.get('lookup_wait_seconds', 0) * 1e3:.1f} ms, steps inline / thread "
-                          f"{k.get('lookup_steps{mode=inline}', 0):.0f} / {k.get('lookup_steps{mode=thread}', 0):.0f}")
+                          f"{k.get('lookup_steps{mode=inline}', 0):.0f} / {k.get('lookup_steps{mode=thread}', 0):.0f}{rtt}")
     for kind, s in result["summary"].items():
         vs = f", throughput {s['throughput_vs_none']:.2f}x none" if "throughput_vs_none" in s else ""
         console.print(f"{kind}: mean of {s['runs']}: {s['request_throughput']:.2f} req/s, TTFT mean "
