@@ -61,6 +61,7 @@ def bench_serve(
     lookup: Optional[list[str]] = typer.Option(None, "--lookup", help="Compare loading servers per lookup mode (repeatable: auto, sync, async); no server without the connector then, unless --baseline."),
     prefetch: Optional[list[int]] = typer.Option(None, "--prefetch", min=0, help="Compare loading servers per prefetch_bytes (repeatable, e.g. 0 and 268435456; with --lookup: every pair); no server without the connector then, unless --baseline."),
     baseline: Optional[bool] = typer.Option(None, "--baseline/--no-baseline", help="Run a server without the connector in each repeat (default: only without --lookup and --prefetch)."),
+    save_lookup: Optional[list[str]] = typer.Option(None, "--save-lookup", help="Add a saving server per lookup mode (repeatable: sync, async, auto), each into an empty store of its own, next to the default one."),
 ) -> None:
     """vLLM's own client (vllm bench serve, prefix_repetition) against vllm serve without the connector, saving, and loading."""
     from vllm_kvcodec.errors import ConfigError
@@ -76,7 +77,8 @@ def bench_serve(
     serve.run(output, repeats=repeats, codec=codec, store=store, num_prompts=num_prompts, prefix_len=prefix_len,
               suffix_len=suffix_len, num_prefixes=num_prefixes, output_len=output_len, request_rate=request_rate,
               save_thread_nice=save_thread_nice, codec_when_behind=behind, upgrade=upgrade, link=link,
-              lookups=tuple(lookup or ()), prefetches=tuple(prefetch or ()), baseline=baseline)
+              lookups=tuple(lookup or ()), prefetches=tuple(prefetch or ()), baseline=baseline,
+              save_lookups=tuple(save_lookup or ()))
 
 
 @bench_app.command("schedule")
