@@ -159,15 +159,14 @@ class SchedulerHalf:
     def _lookup_thread(self) -> AsyncLookup:
         """The lookup thread; with ``auto`` (adaptive), waited for within a step's budget while lookups fit it,
         measured from the start with empty existence checks (a chunk key no prompt has)."""
-        if self.lookup_mode != "adaptive":
-            return AsyncLookup(self._stored, self._resolve, self.stats, timeout_s=self.config.lookup_timeout_s,
-                               max_batches=self.config.lookup_queue)
-        budget = LookupBudget(self.stats, floor_s=self.config.lookup_budget_ms / 1e3,
-                              share=self.config.lookup_budget_share)
-        keys = chunk_object_keys(self.namespace, os.urandom(16).hex(), self.tp_size, self.groups)
+        budget, probe = None, None
+        if self.lookup_mode == "adaptive":
+            budget = LookupBudget(self.stats, floor_s=self.config.lookup_budget_ms / 1e3,
+                                  share=self.config.lookup_budget_share)
+            keys = chunk_object_keys(self.namespace, os.urandom(16).hex(), self.tp_size, self.groups)
+            probe = lambda: self.store.exists_many(keys)  # noqa: E731
         return AsyncLookup(self._stored, self._resolve, self.stats, timeout_s=self.config.lookup_timeout_s,
-                           max_batches=self.config.lookup_queue, budget=budget,
-                           probe=lambda: self.store.exists_many(keys))
+                           max_batches=self.config.lookup_queue, budget=budget, probe=probe)
 
     def _identity_known(self) -> bool:
         """False until the workers' handshake told an fp8 cache's scales: no key can be made before (counted)."""
