@@ -116,8 +116,8 @@ def test_a_contradiction_with_kv_role_is_one_line(role: str, extra: dict, messag
 
 
 @pytest.mark.parametrize("store,mode", [("file:///tmp/kv", "sync"), ("memory://", "sync"),
-                                        ("link+file:///tmp/kv?gbps=10&rtt_ms=1", "async"),
-                                        ("redis://127.0.0.1:6379/0", "async")])
+                                        ("link+file:///tmp/kv?gbps=10&rtt_ms=1", "adaptive"),
+                                        ("redis://127.0.0.1:6379/0", "adaptive")])
 def test_lookup_auto_is_inline_only_for_stores_on_this_host(store: str, mode: str) -> None:
     config = ConnectorConfig.from_extra_config({"store": store})
     assert config.lookup == "auto" and config.lookup_mode() == mode

@@ -10,6 +10,9 @@ trip far beyond ``lookup_timeout_s``.
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,20 +26,32 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 class CountingStore(Store):
-    """Passes every call to the real store, and records each existence check (the keys of each call)."""
+    """Passes every call to the real store, and records each existence check (the keys of each call), and when
+    every existence check and batched read started (``calls``: monotonic time, kind)."""
 
     def __init__(self, inner: Store) -> None:
         super().__init__(inner.url)
         self.inner = inner
         self.checks: list[list[str]] = []
+        self.calls: list[tuple[float, str]] = []
+        self.gate: threading.Event | None = None  # set: existence checks wait for it (see _hold_checks)
+        self.entered = threading.Event()  # an existence check is in the store
 
     def _exists_many(self, keys: list[str]) -> list[bool]:
+        self.calls.append((time.monotonic(), "exists_many"))
         self.checks.append(list(keys))
+        self.entered.set()
+        if self.gate is not None:
+            self.gate.wait(30)
         return self.inner.exists_many(keys)
 
     def _exists(self, key: str) -> bool:
         self.checks.append([key])
         return self.inner.exists(key)
+
+    def _get_many(self, keys: list[str]) -> list[bytes | None]:
+        self.calls.append((time.monotonic(), "get_many"))
+        return self.inner.get_many(keys)
 
     def _get(self, key: str) -> bytes | None:
         return self.inner.get(key)
@@ -141,17 +156,8 @@ def test_requests_asking_the_same_share_one_probe(tmp_path, store) -> None:
 
 def _hold_checks(counting: CountingStore) -> Any:
     """Make the store's existence checks wait until the returned function is called."""
-    import threading
-
-    gate = threading.Event()
-    inner = counting._exists_many
-
-    def held(keys: list[str]) -> list[bool]:
-        gate.wait(30)
-        return inner(keys)
-
-    counting._exists_many = held  # type: ignore[method-assign]
-    return gate.set
+    counting.gate = threading.Event()
+    return counting.gate.set
 
 
 @SCHEDULING
@@ -218,9 +224,135 @@ def test_a_full_queue_answers_misses_at_once(tmp_path) -> None:
 
 
 def _wait(condition: Any, timeout: float = 10.0) -> None:
-    import time
-
     end = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < end, "timed out"
         time.sleep(0.005)
+
+
+# ---- lookup auto: answered within the step while the store is fast, on the thread while it is not ----------------
+def fast_link(url: str) -> str:
+    """A store across an emulated link (so ``auto`` measures it instead of looking up inline) with no latency yet."""
+    return f"link+{url}?gbps=10&rtt_ms=0"
+
+
+def measured(e: Engine) -> Any:
+    """The engine's lookup budget once the start-up probe of the store has been taken in."""
+    lookups = e.connector.scheduler.lookups
+    _wait(lambda: (lookups._drain(), lookups.budget.cost() is not None)[1])
+    return lookups.budget
+
+
+def test_auto_answers_a_fast_store_within_the_asking_step(tmp_path, store) -> None:
+    """A network store answering within the step's budget: the request is admitted, and its hit loaded, in the step
+    that first asks about it (the lookup thread's answer waited for), not a step later."""
+    p = prompt(300)
+    stored(tmp_path, store, p, layers_per_object=1)  # objects grouped alike whatever the store (see load_wait)
+    e = make(tmp_path, fast_link(store), lookup="auto", lookup_budget_ms=500, layers_per_object=1)
+    assert e.connector.scheduler.lookup_mode == "adaptive"
+    assert measured(e).inline
+    e.add("r", p[:290], max_tokens=3)
+    first = e.step()
+    assert "r" in first.scheduled and [spec.req_id for spec in first.loads] == ["r"]
+    e.run()
+    stats = e.scheduler_stats()
+    assert loaded_tokens(e, "r") == 288 and stats["lookups_answered_in_step"] == 1
+    assert "lookup_retries" not in stats and stats["lookup_steps_inline"] >= 1
+    e.assert_empty()
+
+
+def test_auto_moves_lookups_to_the_thread_while_the_store_is_slow_and_back(tmp_path, store, caplog) -> None:
+    """The link's round trip grows past the step's budget: one step waits its budget in vain, then lookups go to
+    the thread (the request waits a step, nobody waits for the store); once it is fast again, back within the step.
+    Both switches are logged and counted."""
+    caplog.set_level(logging.INFO, logger="vllm_kvcodec")
+    e = make(tmp_path, fast_link(store), lookup="auto", lookup_budget_ms=100, settle_lookups=False)
+    budget = measured(e)
+    assert budget.inline
+    link = e.connector.scheduler.store.inner
+    link._rtt = 0.5  # the emulated link slows to 500 ms a round trip
+    e.add("slow", prompt(100, 1), max_tokens=2)
+    asked = e.step()
+    assert "slow" not in asked.scheduled and e.scheduler_stats()["lookup_wait_s"] >= 0.09  # its budget, in vain
+    _wait(lambda: (e.step(), not budget.inline)[1])  # the answer outgrew the budget: on the thread
+    e.run(max_steps=2000)
+    link._rtt = 0.0
+    for i in range(40):  # new lookups on the thread until the cost has fallen under half the budget
+        e.add(f"fast{i}", prompt(100, 10 + i), max_tokens=1)
+        e.run(max_steps=2000)
+        if budget.inline:
+            break
+    assert budget.inline, budget.cost()
+    e.add("back", prompt(100, 99), max_tokens=1)
+    assert "back" in e.step().scheduled
+    e.run()
+    stats = e.scheduler_stats()
+    assert stats["lookup_mode_switches_thread"] == 1 and stats["lookup_mode_switches_inline"] == 1
+    assert stats["lookup_steps_thread"] >= 1
+    messages = list(dict.fromkeys((r.created, r.getMessage()) for r in caplog.records))  # once per record
+    assert sum("lookups on the lookup thread" in m for _, m in messages) == 1
+    assert sum("lookups answered within the step" in m for _, m in messages) == 2  # first choice, and back
+    e.assert_empty()
+
+
+def test_auto_never_holds_a_step_on_a_store_that_hangs(tmp_path, store) -> None:
+    """The store stops answering while lookups are waited for within the step: the step returns after its budget
+    (not after the store), the request computes once lookup_timeout_s passed, and nothing is left behind."""
+    e = make(tmp_path, fast_link(store), lookup="auto", lookup_budget_ms=100, lookup_timeout_s=0.3,
+             settle_lookups=False)
+    assert measured(e).inline
+    counting = count_checks(e)
+    release = _hold_checks(counting)
+    e.add("r", prompt(100, 1), max_tokens=2)
+    started = time.monotonic()
+    asked = e.step()
+    assert time.monotonic() - started < 10, "the step waited for the store"  # the store holds it for 30 s
+    assert "r" not in asked.scheduled
+    e.run(max_steps=2000)
+    assert e.scheduler_stats()["lookup_timeouts"] == 1 and not loads_of(e, ["r"])
+    release()
+    e.assert_empty()
+
+
+# ---- lookups nobody waits for are not sent ------------------------------------------------------------------------
+def test_a_stalled_store_runs_no_probe_after_its_deadline(tmp_path, store) -> None:
+    """The store stalls on the first batch while two more steps' batches queue behind it; every deadline passes
+    (the requests compute), then the store answers: the thread sends nothing more (not the first batch's block-ref
+    read, not the queued batches), and counts the three questions it skipped."""
+    e = make(tmp_path, store, lookup_timeout_s=0.3, settle_lookups=False)
+    counting = count_checks(e)
+    release = _hold_checks(counting)
+    for i in range(3):
+        e.add(f"r{i}", prompt(100, i), max_tokens=2)
+        e.step()
+        if i == 0:
+            assert counting.entered.wait(10)  # the thread is in the store with the first batch
+    time.sleep(0.35)
+    e.run(max_steps=2000)  # every request given up on (a miss) and computed
+    released = time.monotonic()
+    release()
+    assert e.connector.scheduler.lookups.wait_idle(10)
+    assert [kind for t, kind in counting.calls if t >= released] == [], "a store call after its deadline"
+    assert len(counting.checks) == 1
+    stats = e.scheduler_stats()
+    assert stats["lookup_timeouts"] == 3 and stats["lookups_skipped_late"] == 3
+    e.assert_empty()
+
+
+def test_a_question_whose_requests_all_ended_is_not_sent(tmp_path, store) -> None:
+    """A request aborted while its batch waits behind a slow one: its question never reaches the store (counted);
+    the other request's lookup completes."""
+    e = make(tmp_path, store, settle_lookups=False)
+    counting = count_checks(e)
+    release = _hold_checks(counting)
+    e.add("kept", prompt(100, 1), max_tokens=2)
+    e.step()
+    assert counting.entered.wait(10)
+    e.add("gone", prompt(100, 2), max_tokens=2)
+    e.step()  # its batch queues behind the held one
+    e.abort("gone")
+    release()
+    assert e.connector.scheduler.lookups.wait_idle(10)
+    assert len(counting.checks) == 1 and e.scheduler_stats()["lookups_skipped_unwanted"] == 1
+    e.run()
+    e.assert_empty()

@@ -433,9 +433,10 @@ class Engine:
         Under asynchronous lookup a new request is first only asked about:
         that step must schedule and load none of them (checked), and the
         next one admits them; inline lookup admits them in the first step.
+        (``auto`` may answer within the first step, or not: not checked.)
         """
         arrived, self._arrived = self._arrived, set()
-        if self.connector.scheduler.lookups is not None:
+        if self.connector.scheduler.lookup_mode == "async":
             asked = self.step()
             if arrived & (set(asked.scheduled) | {spec.req_id for spec in asked.loads}):
                 raise Violation(f"{self.name}: requests scheduled or loaded before their lookup was answered")

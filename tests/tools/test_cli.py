@@ -214,3 +214,16 @@ def test_bench_serve_compares_loading_servers_per_lookup_mode_and_prefetch_budge
     assert [_variant_config(k) for k in kinds] == [{"lookup": "async", "prefetch_bytes": 0},
                                                    {"lookup": "async", "prefetch_bytes": 1 << 28}]
     assert _variant_config("load-prefetch=0") == {"prefetch_bytes": 0} and _variant_config("save") == {}
+
+
+def test_bench_serve_keeps_each_loading_server_after_the_save_that_fills_its_store() -> None:
+    """--baseline keeps the no-connector server beside --lookup variants; --save-lookup adds saving servers (each
+    into an empty store of its own) without parting the default saving server from the loads that read its store."""
+    from vllm_kvcodec.tools.bench.serve import _variant_config, run_order
+
+    assert run_order(0, (), (), None, ()) == ("none", "save", "load")
+    assert run_order(0, ("auto", "sync"), (), None, ()) == ("save", "load-auto", "load-sync")
+    assert run_order(0, ("auto", "sync"), (), True, ("sync",)) == ("none", "save", "save-sync", "load-auto", "load-sync")
+    assert run_order(1, ("auto", "sync"), (), True, ("sync",)) == ("save-sync", "save", "load-sync", "load-auto", "none")
+    assert run_order(1, (), (), False, ()) == ("save", "load")
+    assert _variant_config("save-sync") == {"lookup": "sync"}

@@ -21,7 +21,22 @@ per arriving request: 32 arrivals at 10 ms RTT held one ``schedule()`` for
   answered within ``lookup_timeout_s``, are answered as misses (counted): a
   store that hangs costs recomputes, never a stuck request;
 - a request that ends before its answer leaves nothing behind: its
-  reference is dropped, and an answer nobody waits for is discarded.
+  reference is dropped, and an answer nobody waits for is discarded; the
+  thread does not send a question nobody waits for any more, nor one past
+  its deadline (both counted): under overload the store is not handed work
+  whose answer would only be thrown away.
+
+On a store that answers within a fraction of a step, making every new
+request wait a step costs more than the round trip it saves (a saving
+server on loopback Redis lost 6-9% of its throughput so). ``lookup: auto``
+(:class:`Budget`) therefore measures what a lookup costs the store and
+answers *within the step* while that fits a per-step budget: a new
+question goes to the thread at once and the call waits for its answer, at
+most what is left of the step's budget; once the budget is spent, later
+questions of the step wait for the end-of-step batch. Past the budget
+(a slow link, a store that hangs) nothing waits, and once lookups are
+cheap again it waits again. The thread answers either way, so a store that
+hangs costs the scheduler at most one budget, never a stalled step.
 
 The synchronous mode answers the same questions with the same function
 (:func:`answer_questions`), inline, one request at a time.
@@ -37,6 +52,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 
 from vllm_kvcodec.block_refs import Ref
+from vllm_kvcodec.connector.lookup_budget import LookupBudget
 from vllm_kvcodec.identity import PromptIdentity
 from vllm_kvcodec.keys import Namespace, tail_hash
 from vllm_kvcodec.stats import ConnectorStats
@@ -79,6 +95,7 @@ class Answer:
 
 
 MISS = Answer(0)
+TIMED_OUT = Answer(0, how="timeout")
 #: Counters of the requests answered with a miss because their probe was given up on.
 _GIVEN_UP = {"timeout": "lookup_timeouts", "queue_full": "lookups_queue_full"}
 
@@ -104,17 +121,22 @@ def tail_candidates(namespace: Namespace, tokens: Sequence[int], identity: Promp
             for t in range(longest, 0, -align)]
 
 
-def answer_questions(questions: Sequence[Question], stored: Stored, resolve: Resolve) -> list[Answer]:
+def answer_questions(questions: Sequence[Question], stored: Stored, resolve: Resolve,
+                     expired: Callable[[], bool] | None = None) -> list[Answer]:
     """Every question, with one store call over all their chunks and one (plus its check) over the block
     prefixes their hits allow.
 
     The prefixes can only be asked once the chunk hits are known (they hang
-    off the chain right after them), hence two calls, not one.
+    off the chain right after them), hence two calls, not one; when
+    ``expired`` says nobody waits for the answers any more by the time the
+    first returns, the second is not sent (the answers: timeouts).
     """
     chunk_keys = list(dict.fromkeys(h for q in questions for h in q.chunk_hashes))
     found = stored(chunk_keys) if chunk_keys else []
     if found is None:
         return [MISS] * len(questions)
+    if expired is not None and expired():
+        return [TIMED_OUT] * len(questions)
     present = dict(zip(chunk_keys, found))
     hits = [next((c for c, h in enumerate(q.chunk_hashes) if not present[h]), len(q.chunk_hashes)) for q in questions]
     candidates = [q.tails(hit) if q.tails is not None else [] for q, hit in zip(questions, hits)]
@@ -140,80 +162,94 @@ class _Probe:
     requests: set[str] = dataclasses.field(default_factory=set)
     deadline: float | None = None  # set when submitted
     answer: Answer | None = None
+    gone: bool = False  # every request that asked it ended first: the thread does not send it
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)  # set once the thread dealt with it
+
+
+#: Empty existence checks the lookup thread times at start (``auto``), before any request asks.
+PROBES = 3
 
 
 class AsyncLookup:
     """The lookup thread and what the scheduler thread keeps about its questions.
 
-    Only the scheduler thread touches the probes; the lookup thread gets
-    batches through a bounded queue and hands answers back through another,
-    drained by the scheduler thread (no lock around the probes, as in vLLM's
-    ``AsyncLookupManager``).
+    Only the scheduler thread touches the probes' answers and requests; the
+    lookup thread gets batches through a bounded queue and hands answers back
+    through another, drained by the scheduler thread (no lock around the
+    probes, as in vLLM's ``AsyncLookupManager``). The thread only reads a
+    probe's ``gone`` flag and deadline, and sets its ``done`` event.
+
+    ``budget`` (``lookup: auto``): while it says waiting is worth it, a new
+    question is submitted at once and the asking call waits for the answer,
+    at most what is left of the step's budget (see :mod:`~.lookup_budget`).
     """
 
     def __init__(self, stored: Stored, resolve: Resolve, stats: ConnectorStats, *, timeout_s: float,
-                 max_batches: int) -> None:
+                 max_batches: int, budget: LookupBudget | None = None,
+                 probe: Callable[[], object] | None = None) -> None:
         self._stored, self._resolve = stored, resolve
         self.stats = stats
         self.timeout_s = timeout_s
+        self.budget = budget
+        self._probe_store = probe
         self._probes: dict[Hashable, _Probe] = {}  # sharing key -> probe not yet answered
         self._of_request: dict[str, _Probe] = {}
         self._batch: list[_Probe] = []  # asked this step, submitted at its end
+        self._asked = False  # this step created a question
         self._queue: queue.Queue[list[_Probe] | None] = queue.Queue(maxsize=max_batches)
-        self._answers: queue.SimpleQueue[list[tuple[_Probe, Answer]]] = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue[tuple[list[tuple[_Probe, Answer]], float | None]] = queue.SimpleQueue()
         self._unanswered = 0  # batches queued or being answered (wait_idle)
         self._idle = threading.Condition()
         self._thread: threading.Thread | None = None
         self._warned = False
+        if budget is not None and probe is not None:
+            self._start()  # measures the store before the first request asks
 
     # ---- scheduler thread -------------------------------------------------------------
     def ask(self, req_id: str, key: Hashable, question: Question) -> Answer | None:
         """The answer to ``req_id``'s question, or None: asked (or still in the air), ask again next step."""
         self._drain()
         probe = self._of_request.get(req_id)
+        first = probe is None
         if probe is None:
             probe = self._probes.get(key)
-            if probe is None:
+            new = probe is None
+            if new:
                 probe = self._probes[key] = _Probe(key, question)
-                self._batch.append(probe)
+                self._asked = True
             else:
                 self.stats.add(lookups_shared=1)
             probe.requests.add(req_id)
             self._of_request[req_id] = probe
-        if probe.answer is None and probe.deadline is not None and time.monotonic() >= probe.deadline:
-            self._settle(probe, dataclasses.replace(MISS, how="timeout"))
-            self._warn(f"the store did not answer a lookup within lookup_timeout_s {self.timeout_s} s; "
-                       "computing those prefixes instead")
+            if new and self._wait_left():
+                self._submit([probe])  # asked now: its answer may come within this step
+            elif new:
+                self._batch.append(probe)  # asked with the step's other questions at its end
+        if probe.answer is None and probe.deadline is not None:
+            if time.monotonic() >= probe.deadline:
+                self._settle(probe, TIMED_OUT)
+            elif self._wait_left():
+                self._wait(probe)
         if probe.answer is None:
             self.stats.add(lookup_retries=1)
             return None
         self.forget(req_id)
         if probe.answer.how in _GIVEN_UP:
             self.stats.add(**{_GIVEN_UP[probe.answer.how]: 1})
+        elif first:
+            self.stats.add(lookups_answered_in_step=1)
         return probe.answer
 
-    def flush(self) -> None:
-        """End of a scheduler step: this step's new questions go to the lookup thread as one batch."""
+    def flush(self, ran: bool = True) -> None:
+        """End of a scheduler step (``ran``: it scheduled tokens): this step's new questions go to the lookup thread
+        as one batch, and the next step gets a fresh budget."""
         self._drain()
         batch, self._batch = [p for p in self._batch if p.requests], []
-        if not batch:
-            return
-        deadline = time.monotonic() + self.timeout_s
-        for probe in batch:
-            probe.deadline = deadline
-        self._start()
-        with self._idle:
-            self._unanswered += 1
-        try:
-            self._queue.put_nowait(batch)
-        except queue.Full:
-            with self._idle:
-                self._unanswered -= 1
-            for probe in batch:
-                self._settle(probe, dataclasses.replace(MISS, how="queue_full"))
-            self._warn("the lookup queue is full (the store is slower than requests arrive); computing those prefixes")
-            return
-        self.stats.add(lookup_batches=1, lookup_batch_requests=sum(len(p.requests) for p in batch))
+        if batch:
+            self._submit(batch)
+        if self.budget is not None:
+            self.budget.step_ended(ran, self._asked)
+        self._asked = False
 
     def forget(self, req_id: str) -> None:
         """``req_id`` no longer waits (answered, finished or aborted): an answer nobody waits for is dropped."""
@@ -221,9 +257,13 @@ class AsyncLookup:
         if probe is None:
             return
         probe.requests.discard(req_id)
-        if not probe.requests and probe.deadline is None:  # never submitted: ask nobody
+        if probe.requests or probe.answer is not None:
+            return
+        if probe.deadline is None:  # never submitted: ask nobody
             self._batch = [p for p in self._batch if p is not probe]
-            self._drop(probe)
+        else:  # in the air: not sent if the thread has not come to it (a request asking the same asks anew)
+            probe.gone = True
+        self._drop(probe)
 
     def in_flight(self) -> bool:
         """Whether a submitted batch has no answer yet."""
@@ -248,12 +288,42 @@ class AsyncLookup:
                 pass  # a thread stuck on a hung store: a daemon, it goes with the process
             self._thread.join(timeout=1.0)
 
+    def _wait_left(self) -> float:
+        return self.budget.wait_left() if self.budget is not None else 0.0
+
+    def _wait(self, probe: _Probe) -> None:
+        """Wait for ``probe``'s answer, at most what is left of the step's budget."""
+        started = time.monotonic()
+        probe.done.wait(self._wait_left())
+        self.budget.waited(time.monotonic() - started)  # type: ignore[union-attr] - only with a budget
+        self._drain()
+
+    def _submit(self, batch: list[_Probe]) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        for probe in batch:
+            probe.deadline = deadline
+        self._start()
+        with self._idle:
+            self._unanswered += 1
+        try:
+            self._queue.put_nowait(batch)
+        except queue.Full:
+            with self._idle:
+                self._unanswered -= 1
+            for probe in batch:
+                self._settle(probe, dataclasses.replace(MISS, how="queue_full"))
+            self._warn("the lookup queue is full (the store is slower than requests arrive); computing those prefixes")
+            return
+        self.stats.add(lookup_batches=1, lookup_batch_requests=sum(len(p.requests) for p in batch))
+
     def _drain(self) -> None:
         while True:
             try:
-                answers = self._answers.get_nowait()
+                answers, seconds = self._answers.get_nowait()
             except queue.Empty:
                 return
+            if seconds is not None and self.budget is not None:
+                self.budget.observe(seconds)
             for probe, answer in answers:
                 if probe.answer is None:  # not given up on meanwhile (timeout)
                     self._settle(probe, answer)
@@ -261,6 +331,9 @@ class AsyncLookup:
     def _settle(self, probe: _Probe, answer: Answer) -> None:
         probe.answer = answer
         self._drop(probe)  # requests asking the same from now on ask the store anew
+        if answer.how == "timeout":
+            self._warn(f"the store did not answer a lookup within lookup_timeout_s {self.timeout_s} s; "
+                       "computing those prefixes instead")
 
     def _drop(self, probe: _Probe) -> None:
         if self._probes.get(probe.key) is probe:
@@ -278,14 +351,62 @@ class AsyncLookup:
 
     # ---- lookup thread ----------------------------------------------------------------
     def _run(self) -> None:
+        if self.budget is not None and self._probe_store is not None:
+            self._measure()
         while (batch := self._queue.get()) is not None:
-            try:
-                answers = answer_questions([p.question for p in batch], self._stored, self._resolve)
-            except Exception:  # noqa: BLE001 - never let a lookup kill the thread: a miss
-                logger.exception("kvcodec: lookup failed; computing those prefixes")
-                self.stats.add(lookup_failures=1)
-                answers = [MISS] * len(batch)
-            self._answers.put(list(zip(batch, answers)))
+            self._answers.put(self._answer(batch))
+            for probe in batch:
+                probe.done.set()
             with self._idle:
                 self._unanswered -= 1
                 self._idle.notify_all()
+
+    def _answer(self, batch: list[_Probe]) -> tuple[list[tuple[_Probe, Answer]], float | None]:
+        """The batch's answers, and the seconds the store took (None: nothing was sent).
+
+        A question nobody waits for any more (its requests ended) or past its
+        deadline (the scheduler has answered it with a miss, or will) is not
+        sent, counted: a store that fell behind is not handed work whose
+        answers would be thrown away.
+        """
+        now = time.monotonic()
+        live = [p for p in batch if not p.gone and now < p.deadline]  # type: ignore[operator] - submitted: set
+        late = [p for p in batch if not p.gone and p not in live]
+        if gone := len(batch) - len(live) - len(late):
+            self.stats.add(lookups_skipped_unwanted=gone)
+        out = [(p, TIMED_OUT) for p in late]
+        if not live:
+            if late:
+                self.stats.add(lookups_skipped_late=len(late))
+            return out, None
+        deadline = min(p.deadline for p in live)  # type: ignore[type-var]
+        if self.budget is not None:
+            self.budget.answering(now)
+        try:
+            answers = answer_questions([p.question for p in live], self._stored, self._resolve,
+                                       expired=lambda: time.monotonic() >= deadline)
+        except Exception:  # noqa: BLE001 - never let a lookup kill the thread: a miss
+            logger.exception("kvcodec: lookup failed; computing those prefixes")
+            self.stats.add(lookup_failures=1)
+            answers = [MISS] * len(live)
+        finally:
+            if self.budget is not None:
+                self.budget.answering(None)
+        if skipped := len(late) + sum(a is TIMED_OUT for a in answers):
+            self.stats.add(lookups_skipped_late=skipped)
+        return out + list(zip(live, answers)), time.monotonic() - now
+
+    def _measure(self) -> None:
+        """What a lookup costs before any request asks: a few existence checks of a key no chunk has."""
+        for _ in range(PROBES):
+            started = time.monotonic()
+            self.budget.answering(started)  # type: ignore[union-attr] - only with a budget
+            try:
+                self._probe_store()  # type: ignore[misc] - only with a probe
+            except Exception as exc:  # noqa: BLE001 - a store not up yet: measured by the first lookups instead
+                logger.info("kvcodec: probing the store's round trip failed (%s); lookups stay on the thread until "
+                            "the store answers", exc)
+                return
+            finally:
+                self.budget.answering(None)  # type: ignore[union-attr]
+            self._answers.put(([], time.monotonic() - started))

@@ -110,8 +110,23 @@ COUNTERS: tuple[CounterSpec, ...] = (
     CounterSpec("lookups_given_up", "Lookups the scheduler stopped waiting for and counted as misses, by reason: timeout "
                 "(no answer within lookup_timeout_s), queue_full (the lookup thread's queue was full).",
                 {"timeout": "lookup_timeouts", "queue_full": "lookups_queue_full"}, label="reason"),
-    _plain("lookup_batches", "Batches of lookups the lookup thread sent to the store (one per scheduler step with new "
-           "questions).", "lookup_batches"),
+    _plain("lookup_batches", "Batches of lookups handed to the lookup thread (one per scheduler step with new "
+           "questions, plus, with lookup auto, one per question asked within its step).", "lookup_batches"),
+    CounterSpec("lookups_skipped", "Questions the lookup thread did not send to the store (or did not finish asking), "
+                "by reason: late (past lookup_timeout_s when the thread came to them: answered as misses), unwanted "
+                "(every request asking it had ended).",
+                {"late": "lookups_skipped_late", "unwanted": "lookups_skipped_unwanted"}, label="reason"),
+    _plain("lookups_answered_in_step", "Lookups answered within the scheduler call that first asked them (lookup auto "
+           "waiting within the step's budget): requests admitted without waiting a step.", "lookups_answered_in_step"),
+    _plain("lookup_wait_seconds", "Seconds the scheduler waited for lookup answers within its steps (lookup auto; at "
+           "most the step's budget per step).", "lookup_wait_s"),
+    CounterSpec("lookup_steps", "Scheduler steps with new lookups, by how lookup auto answered them: inline (waited "
+                "for within the step's budget) or thread (on the lookup thread, the next step). The rate by mode "
+                "shows the current choice.", {"inline": "lookup_steps_inline", "thread": "lookup_steps_thread"},
+                label="mode"),
+    CounterSpec("lookup_mode_switches", "Times lookup auto switched, by the mode it switched to: inline (a lookup "
+                "costs the store at most half the step's budget) or thread (more than the budget).",
+                {"inline": "lookup_mode_switches_inline", "thread": "lookup_mode_switches_thread"}, label="to"),
     _plain("lookup_batch_requests", "Requests those batches asked about (divided by lookup_batches: the batch size).",
            "lookup_batch_requests"),
     _plain("lookups_shared", "Lookups that joined another request's question about the same prefix (asked once).",
@@ -196,6 +211,10 @@ class HistogramSpec:
 
 _OBJECT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 HISTOGRAMS: tuple[HistogramSpec, ...] = (
+    HistogramSpec("lookup_round_trip_seconds", "Seconds the store took to answer one batch of lookups on the lookup "
+                  "thread (one existence check; with block_hits one or two more calls), and the start-up probe's "
+                  "empty checks: what lookup auto weighs against the step's budget.", "lookup_s",
+                  (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)),
     HistogramSpec("load_seconds", "Wall time of one request's load, from submit to its last object in place.",
                   "load_s", (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)),
     HistogramSpec("fetch_seconds", "Seconds of one store round trip of the load path (one batched get of up to 8 MiB of raw KV).", "fetch_s", _OBJECT_BUCKETS),

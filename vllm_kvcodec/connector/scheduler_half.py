@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -58,6 +59,7 @@ from vllm_kvcodec.keys import Namespace, chunk_object_keys, extend_chunk_hashes,
 from vllm_kvcodec.connector.kv_events import StoreEvents
 from vllm_kvcodec.connector.load_ledger import LoadLedger
 from vllm_kvcodec.connector.lookup import Answer, AsyncLookup, Question, Tail, answer_questions, tail_candidates
+from vllm_kvcodec.connector.lookup_budget import LookupBudget
 from vllm_kvcodec.connector.metadata import (ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec,
                                               PrefetchSpec, SaveOutcome, SaveSpec)
 from vllm_kvcodec.paged.slots import slots_for_tokens
@@ -148,9 +150,7 @@ class SchedulerHalf:
         self._pending_loads: list[LoadSpec] = []
         self._finishing: list[SaveSpec] = []  # finishing tails of requests vLLM ended (see _plan_finish)
         self.lookup_mode = config.lookup_mode()
-        self.lookups = (AsyncLookup(self._stored, self._resolve, self.stats, timeout_s=config.lookup_timeout_s,
-                                    max_batches=config.lookup_queue)
-                        if self.lookup_mode == "async" and config.load else None)
+        self.lookups = self._lookup_thread() if self.lookup_mode != "sync" and config.load else None
         self._prefetches = config.prefetches()
         self._to_prefetch: dict[str, None] = {}  # answered with a hit, not loaded yet: fetched ahead if it waits
         self._prefetch_done: list[str] = []  # requests whose objects fetched ahead the worker may drop
@@ -165,6 +165,18 @@ class SchedulerHalf:
             raise ConfigError(f"kvcodec: workers key chunks under namespace {sorted(digests)}, the scheduler under "
                               f"{self.namespace.digest}; their configurations differ")
         self._awaiting_identity = False
+
+    def _lookup_thread(self) -> AsyncLookup:
+        """The lookup thread; with ``auto`` (adaptive), waited for within a step's budget while lookups fit it,
+        measured from the start with empty existence checks (a chunk key no prompt has)."""
+        budget, probe = None, None
+        if self.lookup_mode == "adaptive":
+            budget = LookupBudget(self.stats, floor_s=self.config.lookup_budget_ms / 1e3,
+                                  share=self.config.lookup_budget_share)
+            keys = chunk_object_keys(self.namespace, os.urandom(16).hex(), self.tp_size, self.groups)
+            probe = lambda: self.store.exists_many(keys)  # noqa: E731
+        return AsyncLookup(self._stored, self._resolve, self.stats, timeout_s=self.config.lookup_timeout_s,
+                           max_batches=self.config.lookup_queue, budget=budget, probe=probe)
 
     def _identity_known(self) -> bool:
         """False until the workers' handshake told an fp8 cache's scales: no key can be made before (counted)."""
@@ -444,7 +456,7 @@ class SchedulerHalf:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVCodecMetadata:
         idle = not scheduler_output.total_num_scheduled_tokens
         if self.lookups is not None:
-            self.lookups.flush()  # the step's lookups, one batch, answered while the step runs
+            self.lookups.flush(ran=not idle)  # the step's lookups, one batch, answered while the step runs
             if idle and self.lookups.in_flight():
                 # Nothing runs, so waiting costs no request; without it vLLM steps again at once, and its loop
                 # spins on the GIL the lookup thread needs between its store calls.

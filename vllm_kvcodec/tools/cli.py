@@ -58,8 +58,10 @@ def bench_serve(
     codec_when_behind: str = typer.Option("splitzip", help="The saving servers' save_codec_when_behind ('none': off)."),
     upgrade: bool = typer.Option(True, help="upgrade_fallback_chunks: loading servers re-encode fallback-coded objects they load."),
     link: Optional[str] = typer.Option(None, help="Put the temporary file store behind the link emulator, e.g. 'gbps=10&rtt_ms=10'."),
-    lookup: Optional[list[str]] = typer.Option(None, "--lookup", help="Compare loading servers per lookup mode (repeatable: sync, async); no server without the connector then."),
-    prefetch: Optional[list[int]] = typer.Option(None, "--prefetch", min=0, help="Compare loading servers per prefetch_bytes (repeatable, e.g. 0 and 268435456; with --lookup: every pair); no server without the connector then."),
+    lookup: Optional[list[str]] = typer.Option(None, "--lookup", help="Compare loading servers per lookup mode (repeatable: auto, sync, async); no server without the connector then, unless --baseline."),
+    prefetch: Optional[list[int]] = typer.Option(None, "--prefetch", min=0, help="Compare loading servers per prefetch_bytes (repeatable, e.g. 0 and 268435456; with --lookup: every pair); no server without the connector then, unless --baseline."),
+    baseline: Optional[bool] = typer.Option(None, "--baseline/--no-baseline", help="Run a server without the connector in each repeat (default: only without --lookup and --prefetch)."),
+    save_lookup: Optional[list[str]] = typer.Option(None, "--save-lookup", help="Add a saving server per lookup mode (repeatable: sync, async, auto), each into an empty store of its own, next to the default one."),
 ) -> None:
     """vLLM's own client (vllm bench serve, prefix_repetition) against vllm serve without the connector, saving, and loading."""
     from vllm_kvcodec.errors import ConfigError
@@ -75,7 +77,8 @@ def bench_serve(
     serve.run(output, repeats=repeats, codec=codec, store=store, num_prompts=num_prompts, prefix_len=prefix_len,
               suffix_len=suffix_len, num_prefixes=num_prefixes, output_len=output_len, request_rate=request_rate,
               save_thread_nice=save_thread_nice, codec_when_behind=behind, upgrade=upgrade, link=link,
-              lookups=tuple(lookup or ()), prefetches=tuple(prefetch or ()))
+              lookups=tuple(lookup or ()), prefetches=tuple(prefetch or ()), baseline=baseline,
+              save_lookups=tuple(save_lookup or ()))
 
 
 @bench_app.command("schedule")
@@ -85,13 +88,14 @@ def bench_schedule(
     arrivals: int = typer.Option(32, min=1, help="New requests arriving in one step."),
     prompt_tokens: int = typer.Option(1100, min=2, help="Tokens per arriving prompt (their full chunks are stored)."),
     step_ms: float = typer.Option(20.0, min=0, help="How long each step's emulated forward pass takes."),
-    repeats: int = typer.Option(3, min=1, help="Interleaved sync/async runs per RTT."),
+    repeats: int = typer.Option(3, min=1, help="Interleaved runs of each lookup mode per RTT."),
+    lookup: Optional[list[str]] = typer.Option(None, "--lookup", help="Lookup modes to compare (repeatable; default sync, async, auto)."),
 ) -> None:
-    """Time vLLM's scheduler spends per step while requests arrive, with lookups inline (sync) and on the lookup thread (async)."""
+    """Time vLLM's scheduler spends per step while requests arrive, with lookups inline (sync), on the lookup thread (async), and as auto chooses."""
     from vllm_kvcodec.tools.bench import schedule
 
     schedule.run(output, rtts_ms=tuple(rtt_ms or (0.0, 1.0, 10.0)), arrivals=arrivals, prompt_tokens=prompt_tokens,
-                 step_ms=step_ms, repeats=repeats)
+                 step_ms=step_ms, repeats=repeats, modes=tuple(lookup or ("sync", "async", "auto")))
 
 
 @bench_app.command("ttft")

@@ -1,4 +1,5 @@
-"""``kvcodec bench schedule``: what lookups cost vLLM's scheduler loop, inline (sync) against the lookup thread (async).
+"""``kvcodec bench schedule``: what lookups cost vLLM's scheduler loop, inline (sync), on the lookup thread (async),
+and as ``auto`` chooses (the thread, waited for within the step's budget while the store answers within it).
 
 Why: every call the connector makes from the scheduler stops the engine's
 loop. The question is not a request's TTFT but everyone's: while
@@ -14,8 +15,9 @@ throughout; then ``arrivals`` new requests of different prompts arrive in one
 step. Per run: the time ``schedule()`` took in each step from the arrival
 until every arrival was admitted (max and total), how many steps that took,
 the wall time from arrival to the last admission, and the tokens the
-decoding request got meanwhile. Runs alternate sync and async, per RTT, so
-drift in a shared machine falls on both alike.
+decoding request got meanwhile (and, for auto, the requests answered within
+the step that asked and the time the scheduler waited for them). Runs rotate
+the modes, per RTT, so drift in a shared machine falls on each alike.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ TINY_LLAMA = {
 
 
 def run(output: Path | None = Path("bench-results/schedule.json"), rtts_ms: tuple[float, ...] = (0.0, 1.0, 10.0),
-        arrivals: int = 32, prompt_tokens: int = 1100, step_ms: float = 20.0, repeats: int = 3) -> dict[str, Any]:
+        arrivals: int = 32, prompt_tokens: int = 1100, step_ms: float = 20.0, repeats: int = 3,
+        modes: tuple[str, ...] = ("sync", "async", "auto")) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="kvcodec-schedule-"))
     rows: list[dict[str, Any]] = []
     try:
@@ -52,12 +55,13 @@ def run(output: Path | None = Path("bench-results/schedule.json"), rtts_ms: tupl
         _fill_store(tmp, prompts)
         for rtt in rtts_ms:
             for r in range(repeats):
-                for mode in (("sync", "async") if r % 2 == 0 else ("async", "sync")):
+                for mode in (modes if r % 2 == 0 else tuple(reversed(modes))):
                     row = _one_run(tmp, prompts, mode, rtt, step_ms)
                     row.update(repeat=r)
                     rows.append(row)
                     console.log(f"rtt {rtt} ms {mode}: arrival step schedule() {row['arrival_step_ms']:.1f} ms, "
-                                f"all admitted after {row['steps_to_admit']} steps / {row['admit_wall_ms']:.0f} ms")
+                                f"all admitted after {row['steps_to_admit']} steps / {row['admit_wall_ms']:.0f} ms"
+                                + (f", {row['answered_in_step']} answered within their step" if mode == "auto" else ""))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     summary = _summary(rows)
@@ -65,9 +69,10 @@ def run(output: Path | None = Path("bench-results/schedule.json"), rtts_ms: tupl
               "chunk_size": CHUNK, "step_ms": step_ms, "repeats": repeats, "runs": rows, "summary": summary}
     table(f"{arrivals} requests arriving in one step; schedule() per step (median of {repeats})",
           ["rtt ms / lookup", "arrival step ms", "max step ms", "schedule ms total", "steps to admit",
-           "admit wall ms", "decode tokens"],
+           "admit wall ms", "decode tokens", "answered in step", "waited ms"],
           [[f"{s['rtt_ms']} / {s['lookup']}", s["arrival_step_ms"], s["max_step_ms"], s["schedule_ms_total"],
-            s["steps_to_admit"], s["admit_wall_ms"], s["decode_tokens"]] for s in summary])
+            s["steps_to_admit"], s["admit_wall_ms"], s["decode_tokens"], s["answered_in_step"],
+            s["lookup_wait_ms"]] for s in summary])
     write_json(result, output)
     return result
 
@@ -183,7 +188,9 @@ def _one_run(tmp: Path, prompts: list[list[int]], lookup: str, rtt_ms: float, st
     return {"lookup": lookup, "rtt_ms": rtt_ms, "arrival_step_ms": steps[0] * 1e3, "max_step_ms": max(steps) * 1e3,
             "schedule_ms_total": sum(steps) * 1e3, "steps_to_admit": len(steps), "admit_wall_ms": admit_wall * 1e3,
             "decode_tokens": decoder.num_output_tokens - before, "step_ms": [s * 1e3 for s in steps],
-            "hit_chunks": stats.get("hit_chunks", 0), "lookup_batches": stats.get("lookup_batches", 0)}
+            "hit_chunks": stats.get("hit_chunks", 0), "lookup_batches": stats.get("lookup_batches", 0),
+            "answered_in_step": stats.get("lookups_answered_in_step", 0),
+            "lookup_wait_ms": stats.get("lookup_wait_s", 0.0) * 1e3}
 
 
 def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -192,6 +199,6 @@ def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         group = [r for r in rows if (r["rtt_ms"], r["lookup"]) == key]
         med = {f: statistics.median(r[f] for r in group) for f in
                ("arrival_step_ms", "max_step_ms", "schedule_ms_total", "steps_to_admit", "admit_wall_ms",
-                "decode_tokens", "hit_chunks")}
+                "decode_tokens", "hit_chunks", "answered_in_step", "lookup_wait_ms")}
         out.append({"rtt_ms": key[0], "lookup": key[1], **med})
     return out

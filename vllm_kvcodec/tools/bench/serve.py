@@ -62,6 +62,8 @@ def run(
     link: str | None = None,
     lookups: tuple[str, ...] = (),
     prefetches: tuple[int, ...] = (),
+    baseline: bool | None = None,
+    save_lookups: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     from vllm_kvcodec.tools.smollm2 import model_dir
 
@@ -75,18 +77,15 @@ def run(
     try:
         for r in range(repeats):
             url = _store_url(store, tmp, r, link)
-            order = KINDS if r % 2 == 0 else ("save", "load", "none")  # load right after the save that fills its store
-            if lookups or prefetches:  # one loading server per variant, in turns, after the save that fills their store
-                variants = load_variants(lookups, prefetches)
-                order = ("save", *(variants if r % 2 == 0 else reversed(variants)))
-            for kind in order:
+            for kind in run_order(r, lookups, prefetches, baseline, save_lookups):
                 console.log(f"[{r + 1}/{repeats}] {kind}: starting a server")
-                result = _one_run(kind, model, url, connector, client, tmp / f"r{r}-{kind}")
+                own = _store_url(store, tmp, f"{r}-{kind}", link) if kind.startswith("save-") else url  # empty too
+                result = _one_run(kind, model, own, connector, client, tmp / f"r{r}-{kind}")
                 result["repeat"] = r
                 runs.append(result)
                 console.log(f"[{r + 1}/{repeats}] {kind}: {result['request_throughput']:.2f} req/s, TTFT mean "
                             f"{result['mean_ttft_ms']:.0f} ms, {result['failed']} failed"
-                            + (f", {result['stored_objects']} objects stored" if kind == "save" else ""))
+                            + (f", {result['stored_objects']} objects stored" if kind.startswith("save") else ""))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     summary = _summary(runs)
@@ -103,6 +102,28 @@ def run(
     return result
 
 
+def run_order(r: int, lookups: tuple[str, ...], prefetches: tuple[int, ...], baseline: bool | None,
+              save_lookups: tuple[str, ...]) -> tuple[str, ...]:
+    """The servers of repeat ``r``, in turns: a loading server right after the save that fills its store; saving
+    servers per lookup mode (``save-sync``) next to the default one, each into an empty store of its own."""
+    order: tuple[str, ...] = KINDS if r % 2 == 0 else ("save", "load", "none")
+    if lookups or prefetches:  # one loading server per variant, in turns, after the save that fills their store
+        variants = load_variants(lookups, prefetches)
+        order = ("save", *(variants if r % 2 == 0 else reversed(variants)))
+        if baseline:
+            order = ("none", *order) if r % 2 == 0 else (*order, "none")
+    elif baseline is False:
+        order = ("save", "load")
+    saves = [f"save-{mode}" for mode in save_lookups]
+    out: list[str] = []
+    for kind in order:
+        if kind == "save":  # the loading servers after it read what it saved: keep them next to it
+            out += [kind, *saves] if r % 2 == 0 else [*saves, kind]
+        else:
+            out.append(kind)
+    return tuple(out)
+
+
 def load_variants(lookups: tuple[str, ...], prefetches: tuple[int, ...]) -> list[str]:
     """The loading servers to compare: one per lookup mode and prefetch budget (``load-sync``,
     ``load-prefetch=0``, ``load-async,prefetch=268435456``)."""
@@ -115,9 +136,9 @@ def load_variants(lookups: tuple[str, ...], prefetches: tuple[int, ...]) -> list
 
 
 def _variant_config(kind: str) -> dict[str, Any]:
-    """What a ``load-...`` kind sets in the loading server's connector config."""
+    """What a ``load-...`` or ``save-...`` kind sets in its server's connector config."""
     out: dict[str, Any] = {}
-    for part in kind.split("-", 1)[1].split(",") if kind.startswith("load-") else ():
+    for part in kind.split("-", 1)[1].split(",") if kind.startswith(("load-", "save-")) else ():
         name, _, value = part.partition("=")
         if name == "prefetch":
             out["prefetch_bytes"] = int(value)
@@ -138,7 +159,7 @@ def _client_args(model: str, num_prompts: int, prefix_len: int, suffix_len: int,
             "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99", "--disable-tqdm"]
 
 
-def _store_url(store: str | None, tmp: Path, repeat: int, link: str | None = None) -> str:
+def _store_url(store: str | None, tmp: Path, repeat: int | str, link: str | None = None) -> str:
     """An empty store per repeat: a new directory (behind the link emulator with ``link``), or a new key prefix on ``store``."""
     if store is None:
         return f"link+file://{tmp / f'store-{repeat}'}?{link}" if link else f"file://{tmp / f'store-{repeat}'}"
@@ -218,12 +239,13 @@ def _tree_cpu_s(pid: int) -> float:
 
 
 def _counters(scrape: dict[tuple[str, frozenset], float]) -> dict[str, float]:
-    """The connector's counters from a /metrics scrape, summed over engines (and labels, keyed ``name{label}``)."""
+    """The connector's counters from a /metrics scrape, summed over engines (and labels, keyed ``name{label}``), and
+    its histograms' sums and counts (``name_sum``, ``name_count``)."""
     out: dict[str, float] = {}
     for (name, labels), value in scrape.items():
-        if not (name.startswith(PREFIX) and name.endswith("_total")):
+        if not name.startswith(PREFIX) or not name.endswith(("_total", "_sum", "_count")):
             continue
-        short = name[len(PREFIX) : -len("_total")]
+        short = name[len(PREFIX) :].removesuffix("_total")
         extra = {k: v for k, v in labels if k not in ("engine", "model_name")}
         key = short + ("{" + ",".join(f"{k}={v}" for k, v in sorted(extra.items())) + "}" if extra else "")
         out[key] = out.get(key, 0.0) + value
@@ -289,6 +311,15 @@ def _print(result: dict[str, Any]) -> None:
                   f"(with {result['save_codec_when_behind'] or 'the same codec'}); objects, ratio: what the store held after "
                   "the server stopped (its shutdown flushes queued saves), raw KV over stored bytes; upgraded: objects "
                   "the loading server re-encoded with the configured codec after loading them (upgrade_fallback_chunks)")
+    for r in result["runs"]:
+        k = r["counters"]
+        if k.get("lookups"):
+            trips = k.get("lookup_round_trip_seconds_count", 0)
+            rtt = f", store answered a lookup batch in {k['lookup_round_trip_seconds_sum'] / trips * 1e3:.2f} ms" if trips else ""
+            console.print(f"{r['kind']} #{r['repeat'] + 1} lookups: {k['lookups']:.0f}, answered within their step "
+                          f"{k.get('lookups_answered_in_step', 0):.0f}, retries {k.get('lookup_retries', 0):.0f}, "
+                          f"scheduler waited {k.get('lookup_wait_seconds', 0) * 1e3:.1f} ms, steps inline / thread "
+                          f"{k.get('lookup_steps{mode=inline}', 0):.0f} / {k.get('lookup_steps{mode=thread}', 0):.0f}{rtt}")
     for kind, s in result["summary"].items():
         vs = f", throughput {s['throughput_vs_none']:.2f}x none" if "throughput_vs_none" in s else ""
         console.print(f"{kind}: mean of {s['runs']}: {s['request_throughput']:.2f} req/s, TTFT mean "
