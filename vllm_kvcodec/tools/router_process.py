@@ -11,15 +11,13 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from storage.testing.ports import reserved_port
+from vllm_kvcodec.tools.server_process import Server, stop, wait_answering
 
 MISSING = "vllm-router is not installed: pip install 'vllm-kvcodec[router]' (make install includes it)"
 
@@ -33,18 +31,10 @@ def find_router() -> str | None:
 
 
 @dataclasses.dataclass
-class Router:
-    proc: subprocess.Popen
-    port: int
-    metrics_port: int
-    log_path: Path
+class Router(Server):
+    """The router's process, its HTTP port (``url``, ``log()``) and the port of its own Prometheus metrics."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+    metrics_port: int = 0
 
 
 @contextlib.contextmanager
@@ -59,33 +49,9 @@ def running_router(worker_urls: Sequence[str], policy: str, log_path: Path, extr
             "--worker-urls", *worker_urls, "--policy", policy, *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    router = Router(proc, port, metrics_port, log_path)
+    router = Router(proc, port, log_path, metrics_port)
     try:
-        _wait_ready(router, start_timeout)
+        wait_answering(router, start_timeout, "/readiness", "vllm-router", owned=False)
         yield router
     finally:
-        _stop(router)
-
-
-def _wait_ready(router: Router, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if router.proc.poll() is not None:
-            raise RuntimeError(f"vllm-router exited with {router.proc.returncode}:\n{router.log()[-3000:]}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(router.url + "/readiness", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        time.sleep(0.5)
-    raise RuntimeError(f"vllm-router did not become ready within {timeout:.0f} s:\n{router.log()[-3000:]}")
-
-
-def _stop(router: Router) -> None:
-    if router.proc.poll() is None:
-        router.proc.send_signal(signal.SIGTERM)
-        try:
-            router.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(router.proc.pid, signal.SIGKILL)
-            router.proc.wait(10)
+        stop(router)

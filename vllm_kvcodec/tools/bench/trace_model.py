@@ -45,6 +45,7 @@ class ModelSpec:
     s_per_token: float
     s_per_token2: float
     source: str
+    gpus: int = 1  # per replica: a replica-second of prefill is this many GPU-seconds
 
     def prefill_s(self, new: int, cached: int) -> float:
         end = cached + new
@@ -57,7 +58,7 @@ def _from_flops(name: str, params: float, layers: int, heads: int, head_dim: int
     kv = layers * kv_heads * head_dim * 2 * dtype_bytes
     return ModelSpec(name, kv, 2 * params / flops, 4 * layers * heads * head_dim / flops,
                      f"{params / 1e9:g}B parameters, {layers} layers, {heads} heads x {head_dim}, {kv_heads} KV heads; "
-                     f"{gpus} x H100 bf16 {H100_BF16_FLOPS / 1e12:.1f} TFLOPS at MFU {mfu}")
+                     f"{gpus} x H100 bf16 {H100_BF16_FLOPS / 1e12:.1f} TFLOPS at MFU {mfu}", gpus)
 
 
 #: Named replicas (architectures from the models' published configs).
