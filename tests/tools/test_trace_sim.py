@@ -136,3 +136,32 @@ def test_bad_fleets_are_refused_in_one_line() -> None:
         fleet(policy="random").check()
     with pytest.raises(ValueError, match="unknown model"):
         model_spec("gpt-5")
+
+
+def test_costs_fitted_through_the_queue_recover_the_costs_that_made_the_ttfts() -> None:
+    """TTFTs made by the simulator's own queue from known costs (a loaded fleet: most of TTFT is waiting):
+    the fit finds those costs again, and its model reproduces the TTFTs."""
+    import random
+
+    from vllm_kvcodec.tools.bench.trace_fit import fit_costs, ttft_error
+    from vllm_kvcodec.tools.bench.trace_sim import queue_ttft
+
+    rng = random.Random(5)
+    n = 300
+    arrivals = sorted(rng.uniform(0, 300) for _ in range(n))  # busy, not saturated
+    workers = [i % 2 for i in range(n)]
+    computed = [rng.randint(16, 2000) for _ in range(n)]
+    cached = [rng.choice([0, 0, 256, 1024]) for _ in range(n)]
+    attention = [((c + k) ** 2 - c**2) / 2 for k, c in zip(computed, cached)]
+    true = (0.2, 4e-4, 8e-7)
+    services = [true[1] * k + true[2] * a for k, a in zip(computed, attention)]
+    ttfts = queue_ttft(arrivals, workers, services, 2, true[0])
+    assert ttfts.mean() > 1.3 * (true[0] + sum(services) / n)  # waiting is a good part of it
+    fit = fit_costs(arrivals, workers, computed, cached, list(ttfts), 2)
+    assert fit["overhead_s"] == pytest.approx(true[0], rel=0.1)
+    assert fit["s_per_token"] == pytest.approx(true[1], rel=0.1)
+    assert fit["s_per_token2"] == pytest.approx(true[2], rel=0.1)
+    model = queue_ttft(arrivals, workers, [fit["s_per_token"] * k + fit["s_per_token2"] * a
+                                           for k, a in zip(computed, attention)], 2, fit["overhead_s"])
+    error = ttft_error(model, ttfts)
+    assert abs(error["p50_error"]) < 0.05 and error["median_relative_error"] < 0.05

@@ -94,7 +94,7 @@ def bench_trace(
     codec: str = typer.Option("rans", help="The connector's codec (simulated: its measured ratio and decode speed)."),
     local_tokens: int = typer.Option(1_000_000, min=0, help="Simulated: each worker's local prefix cache in tokens (0: none)."),
     store_bytes: str = typer.Option("0", help="Simulated: the shared store's size (e.g. 2T, 500GiB; 0: unbounded)."),
-    near_bytes: str = typer.Option("0", help="Near tier per worker: simulated size (0: none); replayed (e) default 256MiB."),
+    near_bytes: str = typer.Option("0", help="Near tier per worker: simulated size (0: none); replayed (e) default 2GiB."),
     connector: bool = typer.Option(True, help="Simulated: the connector on (a shared store) or off (local caches only)."),
     policy: str = typer.Option("round_robin", help="Simulated routing: round_robin or longest_prefix."),
     balance_s: float = typer.Option(1.0, min=0, help="Simulated longest_prefix: only workers whose queue is within this many seconds of the shortest."),
@@ -133,7 +133,7 @@ def bench_trace(
             trace=trace or DEFAULT_TRACE, first=first if first or window_s else 40, start_s=start_s,
             window_s=window_s, tokens_per_id=tokens_per_id or 32, speed=speed, max_output=max_output or 4,
             workers=workers or 2, block_size=block_tokens or 32, chunk_size=chunk_tokens, codec=codec, link=link,
-            near_bytes=near_bytes if near_bytes != "0" else "256MiB", kv_cache_gib=kv_cache_gib, configs=configs,
+            near_bytes=near_bytes if near_bytes != "0" else "2GiB", kv_cache_gib=kv_cache_gib, configs=configs,
             hash_seed=hash_seed, min_gap_s=min_gap_s, work_dir=work_dir)
         replay.check_parts(spec)
     except (TraceError, ValueError, RuntimeError) as exc:

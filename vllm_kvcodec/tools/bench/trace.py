@@ -84,7 +84,7 @@ class ReplaySpec:
     chunk_size: int = 256
     codec: str = "rans"
     link: str | None = None  # e.g. "gbps=10&rtt_ms=0.5": the store behind the link emulator
-    near_bytes: str = "256MiB"
+    near_bytes: str = "2GiB"  # per worker (memory): more than its KV cache (1 GiB), or it holds nothing the GPU cache lacks
     kv_cache_gib: int = 1
     configs: str = "abcde"
     hash_seed: int = 0
@@ -154,9 +154,10 @@ def run(spec: ReplaySpec, output: Path | None = Path("bench-results/trace.json")
             console.log(f"configuration {name}: {CONFIGS[name][0]}")
             results.append(_one_config(name, spec, model, trace_path, len(requests), max(prompts), tmp / name))
         base = next((r for r in results if r["config"] == "a"), None)
-        fit = fit_prefill(base) if base else None
+        fit = fit_prefill(base, requests, spec) if base else None
         for result in results:
-            result["comparison"] = compare_with_simulator(requests, spec, result, fit or fit_prefill(result))
+            result["comparison"] = compare_with_simulator(requests, spec, result,
+                                                          fit or fit_prefill(result, requests, spec))
             _log_one(result, sum(ceiling) / sum(prompts))
     finally:
         if spec.work_dir is None:
@@ -167,8 +168,17 @@ def run(spec: ReplaySpec, output: Path | None = Path("bench-results/trace.json")
            "seconds": time.perf_counter() - started}
     out["targets"] = targets(out)
     print_replay(out)
-    write_json(out, output)
+    write_json(compact(out), output)
     return out
+
+
+#: Per-request lists the run returns but does not write (800 requests make a megabyte; --work-dir keeps the ledgers
+#: and vLLM's client JSON they come from).
+PER_REQUEST = ("per_request", "ttfts_s", "start_times", "e2els_s")
+
+
+def compact(out: dict[str, Any]) -> dict[str, Any]:
+    return {**out, "configs": [{k: v for k, v in c.items() if k not in PER_REQUEST} for c in out["configs"]]}
 
 
 def _spec_json(spec: ReplaySpec) -> dict[str, Any]:
@@ -181,6 +191,7 @@ def _one_config(name: str, spec: ReplaySpec, model: str, trace_path: Path, n: in
     from storage.testing.redis_server import start_redis_server
 
     what, connector, policy, near = CONFIGS[name]
+    shutil.rmtree(work, ignore_errors=True)  # a kept folder from an earlier run: its ledgers would be appended to
     work.mkdir(parents=True)
     with start_redis_server(["--save", "", "--appendonly", "no"]) as redis, contextlib.ExitStack() as stack:
         far_url = redis.url
@@ -423,36 +434,19 @@ def _local_tokens(workers: list[_Worker]) -> int | None:
 
 
 # ---- the simulator on the replay's own requests ------------------------------------------------
-def fit_prefill(result: dict[str, Any]) -> dict[str, float] | None:
-    """This machine's prefill cost, fitted to one configuration's requests that ran alone: TTFT = overhead +
-    s_per_token * computed + s_per_token2 * ((cached + computed)**2 - cached**2) / 2 (non-negative least squares)."""
-    ttfts, alone = result.get("ttfts_s") or [], set(range(len(result.get("ttfts_s") or []))) - _overlapped(result)
-    rows, y = [], []
-    for r in result["per_request"]:
-        i = r["index"]
-        if i in alone and i < len(ttfts) and ttfts[i] > 0:
-            cached, n = r["local"] + r["store"], r["computed"]
-            rows.append([1.0, n, ((cached + n) ** 2 - cached**2) / 2])
-            y.append(ttfts[i])
-    if len(rows) < 4:
+def fit_prefill(result: dict[str, Any], requests: list[TraceRequest], spec: ReplaySpec) -> dict[str, Any] | None:
+    """This machine's costs fitted to one configuration's TTFTs, queues included (:mod:`.trace_fit`)."""
+    from vllm_kvcodec.tools.bench.trace_fit import fit_costs
+
+    measured = {r["index"]: r for r in result["per_request"]}
+    ttfts = result.get("ttfts_s") or []
+    if len(measured) < len(requests) or len(ttfts) < len(requests) or result["workers_killed"]:
         return None
-    overhead, per_token, per_token2 = _nonnegative_fit(rows, y)
-    return {"overhead_s": float(overhead), "s_per_token": float(per_token), "s_per_token2": float(per_token2),
-            "requests": len(rows), "fitted_on": result["config"]}
-
-
-def _nonnegative_fit(rows: list[list[float]], y: list[float]) -> list[float]:
-    """Least squares with every coefficient >= 0: a term that fits negative is dropped and the rest fitted again."""
-    import numpy as np
-
-    a, b = np.array(rows), np.array(y)
-    active = list(range(a.shape[1]))
-    while True:
-        coef = np.zeros(a.shape[1])
-        coef[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
-        if coef.min() >= 0 or len(active) == 1:
-            return [float(max(c, 0.0)) for c in coef]
-        active.remove(int(np.argmin(coef)))
+    rows = [measured[r.index] for r in requests]
+    fit = fit_costs([r.timestamp_ms / 1000.0 / spec.speed for r in requests], [m["worker"] for m in rows],
+                    [m["computed"] for m in rows], [m["local"] + m["store"] for m in rows],
+                    [ttfts[r.index] for r in requests], spec.workers)
+    return {**fit, "fitted_on": result["config"]}
 
 
 def compare_with_simulator(requests: list[TraceRequest], spec: ReplaySpec, result: dict[str, Any],
@@ -496,22 +490,16 @@ def compare_with_simulator(requests: list[TraceRequest], spec: ReplaySpec, resul
     wrong = [r for r in rows if not r["exact"]]
     return {"compared": True, "requests": len(rows), "exact": len(rows) - len(wrong),
             "disagreements_overlapped": sum(r["overlapped"] for r in wrong), "shares": sim["shares"],
-            "disagreements": wrong, "ttft": _ttft_error(sim["per_request"], result.get("ttfts_s") or [], fit),
-            "own_fit": fit_prefill(result)}  # this configuration's costs fitted to itself: its fixed cost per request
+            "disagreements": wrong, "ttft": _ttft(sim["per_request"], result.get("ttfts_s") or [], fit)}
 
 
-def _ttft_error(predicted: list[dict[str, Any]], measured: list[float], fit: dict[str, float] | None) -> dict[str, Any]:
-    """The modelled TTFT (fitted costs, the simulator's queues) against vLLM's client's, per request and at p50."""
-    import numpy as np
+def _ttft(predicted: list[dict[str, Any]], measured: list[float], fit: dict[str, Any] | None) -> dict[str, Any]:
+    from vllm_kvcodec.tools.bench.trace_fit import ttft_error
 
-    pairs = [(p["ttft_s"], measured[p["index"]]) for p in predicted if p["index"] < len(measured) and measured[p["index"]] > 0]
-    if not fit or not pairs:
+    if fit is None or not measured:
         return {"compared": False}
-    model, real = np.array([a for a, _ in pairs]), np.array([b for _, b in pairs])
-    return {"compared": True, "fit": fit, "p50_measured_s": float(np.median(real)), "p50_predicted_s": float(np.median(model)),
-            "p50_error": float(np.median(model) / np.median(real) - 1),
-            "median_abs_error_s": float(np.median(np.abs(model - real))),
-            "median_relative_error": float(np.median(np.abs(model - real) / real))}
+    pairs = [(p["ttft_s"], measured[p["index"]]) for p in predicted if p["index"] < len(measured)]
+    return {**ttft_error([a for a, _ in pairs], [b for _, b in pairs]), "fit": fit}
 
 
 def _overlapped(result: dict[str, Any]) -> set[int]:
@@ -560,7 +548,8 @@ def _log_one(r: dict[str, Any], ceiling: float) -> None:
     if cmp.get("compared") and cmp["ttft"].get("compared"):
         t = cmp["ttft"]
         exact += (f"; modelled TTFT p50 {t['p50_predicted_s'] * 1000:.0f} ms against {t['p50_measured_s'] * 1000:.0f} "
-                  f"(median error per request {t['median_relative_error']:.0%})")
+                  f"(costs fitted to ({t['fit']['fitted_on']}); median error per request "
+                  f"{t['median_relative_error']:.0%})")
     console.log(f"({r['config']}) computed {s['computed']:.1%}, local {s['local']:.1%}, store {s['store']:.1%} "
                 f"(ceiling {ceiling:.1%}); TTFT p50 {r['median_ttft_ms'] or 0:.0f} ms; {r['failed']} failed{exact}")
 

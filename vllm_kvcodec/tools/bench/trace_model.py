@@ -100,7 +100,7 @@ class CostModel:
     near_gbps: float = 200.0  # host memory / local NVMe behind a near tier
     decode_threads: int = 16
     overlap: bool = True  # layer groups stream while the rest of the prompt is computed
-    overhead_s: float = 0.0  # per request, whatever its tokens (HTTP, scheduling, the first decode step)
+    overhead_s: float = 0.0  # added to each TTFT, the worker not held by it (HTTP, tokenizing, scheduling)
 
     def object_bytes(self, tokens: int) -> int:
         return int(round(tokens * self.model.kv_bytes_per_token / self.codec.ratio))
@@ -112,7 +112,8 @@ class CostModel:
         return t
 
     def request_s(self, prefill_s: float, load_s: float) -> float:
-        return self.overhead_s + (max(prefill_s, load_s) if self.overlap else prefill_s + load_s)
+        """How long a request holds its worker."""
+        return max(prefill_s, load_s) if self.overlap else prefill_s + load_s
 
     def describe(self) -> dict[str, Any]:
         return {"model": dataclasses.asdict(self.model), "codec": dataclasses.asdict(self.codec),

@@ -298,6 +298,28 @@ class Fleet:
             self.save(w, req, index * cb, blocks)
 
 
+class WorkerQueues:
+    """Each worker runs its requests' prefills one after another, in arrival order; a request waits its turn."""
+
+    def __init__(self, workers: int) -> None:
+        self.busy = np.zeros(workers)  # when each worker is free
+
+    def waits(self, arrival: float) -> np.ndarray:
+        return np.maximum(self.busy - arrival, 0.0)
+
+    def serve(self, worker: int, arrival: float, service: float) -> float:
+        """Book the request; seconds from its arrival until its prefill is done."""
+        self.busy[worker] = max(arrival, self.busy[worker]) + service
+        return float(self.busy[worker] - arrival)
+
+
+def queue_ttft(arrivals: Sequence[float], workers: Sequence[int], services: Sequence[float], n_workers: int,
+               overhead_s: float = 0.0) -> np.ndarray:
+    """The modelled TTFT of requests given in arrival order with their workers and service seconds."""
+    queues = WorkerQueues(n_workers)
+    return np.array([queues.serve(w, a, s) + overhead_s for a, w, s in zip(arrivals, workers, services)])
+
+
 def simulate(requests: Sequence[TraceRequest], fleet: FleetSpec, cost: CostModel,
              routing: Sequence[int] | None = None, max_output: int | None = None,
              time_scale: float = 1.0, per_request: bool = False) -> dict[str, Any]:
@@ -310,7 +332,7 @@ def simulate(requests: Sequence[TraceRequest], fleet: FleetSpec, cost: CostModel
     started = time.perf_counter()
     state = Fleet(fleet, cost)
     splits: list[Split] = []
-    busy = np.zeros(fleet.workers)
+    queues = WorkerQueues(fleet.workers)
     ttft = np.zeros(len(requests))
     prefill_full = prefill_done = 0.0
     bt = fleet.block_tokens
@@ -318,7 +340,7 @@ def simulate(requests: Sequence[TraceRequest], fleet: FleetSpec, cost: CostModel
         output = min(r.output_length, max_output) if max_output else r.output_length
         req = _Request(r, fleet, output)
         arrival = r.timestamp_ms / 1000.0 * time_scale
-        w = state.route(req, routing[i] if routing is not None else None, np.maximum(busy - arrival, 0.0))
+        w = state.route(req, routing[i] if routing is not None else None, queues.waits(arrival))
         state.assigned[w] += 1
         local = state.local_hit(w, req)  # its blocks move to the LRU's end with the rest in cache_blocks
         far = near = 0
@@ -343,10 +365,7 @@ def simulate(requests: Sequence[TraceRequest], fleet: FleetSpec, cost: CostModel
         full_s = cost.model.prefill_s(req.prompt, 0)
         done_s = cost.model.prefill_s(split.computed, cached)
         load_s = cost.load_s(far, near, split.store * cost.model.kv_bytes_per_token) if split.store else 0.0
-        service = cost.request_s(done_s, load_s)
-        start = max(arrival, busy[w])
-        busy[w] = start + service
-        ttft[i] = split.ttft_s = busy[w] - arrival
+        ttft[i] = split.ttft_s = queues.serve(w, arrival, cost.request_s(done_s, load_s)) + cost.overhead_s
         prefill_full += full_s
         prefill_done += done_s
     return _result(requests, fleet, cost, state, splits, ttft, prefill_full, prefill_done,
@@ -381,9 +400,16 @@ def _result(requests: Sequence[TraceRequest], fleet: FleetSpec, cost: CostModel,
     return out
 
 
-def _histogram(values: np.ndarray) -> dict[str, list[float]]:
-    """Counts on log-spaced bins (1 ms to the largest value): the modelled TTFT distribution."""
+#: The modelled TTFT histogram's bins: log-spaced from 1 ms to its largest value (``top_s``).
+HISTOGRAM_BINS = 40
+
+
+def _histogram(values: np.ndarray) -> dict[str, Any]:
+    """Counts on log-spaced bins (``histogram_edges``): the modelled TTFT distribution."""
     top = max(float(values.max()), 2e-3)
-    edges = np.logspace(-3, np.log10(top), 41)
-    counts, _ = np.histogram(np.clip(values, 1e-3, None), bins=edges)
-    return {"edges_s": edges.tolist(), "counts": counts.tolist()}
+    counts, _ = np.histogram(np.clip(values, 1e-3, None), bins=histogram_edges(top))
+    return {"top_s": top, "counts": counts.tolist()}
+
+
+def histogram_edges(top_s: float) -> list[float]:
+    return np.logspace(-3, np.log10(top_s), HISTOGRAM_BINS + 1).tolist()
