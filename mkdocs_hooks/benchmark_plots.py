@@ -27,6 +27,9 @@ CHARTS: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
     "plots/codecs.svg": ("data/codecs.json", plots.codecs_figure),
     "plots/ttft.svg": ("data/ttft.json", plots.ttft_figure),
     "plots/ttft_stages.svg": ("data/ttft.json", plots.ttft_stages_figure),
+    "plots/trace_replay.svg": ("data/trace_replay.json", plots.trace_replay_figure),
+    "plots/trace_curves.svg": ("data/trace_curves.json", plots.trace_curves_figure),
+    "plots/trace_ttft.svg": ("data/trace_curves.json", plots.trace_ttft_figure),
 }
 
 

@@ -224,7 +224,7 @@ def test_a_damaged_object_found_by_a_load_is_announced_removed_then_stored_again
     removed_hashes = [h for ev in removed for h in ev.block_hashes]
     assert chain[2] in removed_hashes and chain[3] in removed_hashes  # chunk 1's two blocks
     assert len(removed_hashes) == 2 * len(failed)  # each failed chunk's blocks, once
-    assert all(ev.group_idx == 0 and ev.locality == "LOCAL" for ev in removed)
+    assert all(ev.group_idx == 0 and ev.locality == "LOCAL" and ev.ownership == "kvcodec" for ev in removed)
     # The request recomputed the chunk and saved it again: announced as stored anew.
     restored = [ev for ev in rec.of("BlockStored") if ev.block_hashes == chain[2:4]]
     assert len(restored) == 1
@@ -258,6 +258,28 @@ def test_the_medium_is_configurable(tmp_path, store, kv_events_on) -> None:
     settle(e)
     (event,) = rec.of("BlockStored", "STORAGE")
     check_stored(event, prompt(40), 0, 2)
+    e.shutdown()
+
+
+def test_store_events_carry_an_ownership_gpu_events_none(tmp_path, store, kv_events_on) -> None:
+    """vLLM's field for the secondary tier an event comes from: what makes vllm-router count the blocks as its
+    External tier (tests/tools/test_router_kv_events.py). BlockRemoved carries it too (the damaged-object test)."""
+    p = prompt(40)
+    e, rec = make(tmp_path, store)
+    e.add("a", p, max_tokens=1)
+    e.run()
+    settle(e)
+    (event,) = rec.of("BlockStored")
+    assert event.ownership == "kvcodec"
+    assert all(ev.ownership is None for ev in rec.of("BlockStored", "GPU"))
+    e.shutdown()
+
+    e, rec = make(tmp_path, f"file://{tmp_path / 'other'}", kv_events_ownership=None)  # configurable, or none
+    e.add("a", p, max_tokens=1)
+    e.run()
+    settle(e)
+    (event,) = rec.of("BlockStored")
+    assert event.ownership is None
     e.shutdown()
 
 

@@ -34,4 +34,9 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
         svg = (out / "plots" / f"{name}.svg").read_text()
         assert svg.startswith("<?xml") and "<svg" in svg and "<path" in svg
         assert f'src="../plots/{name}.svg"' in benchmarks
+    trace = (out / "production-trace" / "index.html").read_text()
+    for name in ("trace_replay", "trace_curves", "trace_ttft"):
+        svg = (out / "plots" / f"{name}.svg").read_text()
+        assert svg.startswith("<?xml") and "<svg" in svg and "<path" in svg
+        assert f'src="../plots/{name}.svg"' in trace
     assert '<pre class="mermaid">' in (out / "architecture" / "index.html").read_text()

@@ -27,8 +27,13 @@ them (``KVConnectorBase_V1.take_events`` after ``update_connector_output``):
 Hashes are of the stored object's whole blocks per group, at that group's
 block size (vLLM's ``resolve_block_hashes``), so they equal the GPU events'
 hashes of the same tokens. ``medium`` is ``kv_events_medium`` (default
-``KVCODEC``); ``locality`` is ``LOCAL`` for a store whose reads are memory
-copies on this host (a local file store, memory) and ``REMOTE`` otherwise.
+``KVCODEC``); ``ownership`` is ``kv_events_ownership`` (default ``kvcodec``):
+vLLM's field for the secondary tier that generated an event, which is what
+makes vllm-router count these blocks as its External tier rather than as
+GPU blocks (it reads the tier from ``medium`` only for events without one, and
+takes an unknown medium for ``GPU``); ``locality`` is ``LOCAL`` for a store
+whose reads are memory copies on this host (a local file store, memory) and
+``REMOTE`` otherwise.
 """
 
 from __future__ import annotations
@@ -88,10 +93,10 @@ class StoreEvents:
     """The connector's KV events, collected between two ``take`` calls of vLLM's scheduler (off: nothing is kept)."""
 
     def __init__(self, *, enabled: bool, medium: str = "KVCODEC", locality: str | None = None,
-                 block_sizes: Sequence[int] = (), hash_block_size: int = 0, savers: int = 1,
-                 stats: ConnectorStats | None = None) -> None:
+                 ownership: str | None = "kvcodec", block_sizes: Sequence[int] = (), hash_block_size: int = 0,
+                 savers: int = 1, stats: ConnectorStats | None = None) -> None:
         self.enabled = enabled
-        self.medium, self.locality = medium, locality
+        self.medium, self.locality, self.ownership = medium, locality, ownership
         self.block_sizes, self.hash_block_size = list(block_sizes), hash_block_size
         self.savers = savers  # workers that report each chunk's save (TP ranks that write x pipeline stages)
         self.stats = stats if stats is not None else ConnectorStats()
@@ -131,7 +136,8 @@ class StoreEvents:
             self._events.append(BlockStored(
                 block_hashes=list(b.hashes), parent_block_hash=b.parent, token_ids=b.token_ids,
                 block_size=b.block_size, lora_id=pending.lora_id, medium=self.medium, lora_name=pending.lora_name,
-                extra_keys=b.extra_keys, group_idx=b.group, locality=self.locality, session_id=pending.session_id))
+                extra_keys=b.extra_keys, group_idx=b.group, locality=self.locality, ownership=self.ownership,
+                session_id=pending.session_id))
         self.stats.add(kv_events_stored_blocks=sum(len(b.hashes) for b in pending.blocks))
 
     # ---- loads ----------------------------------------------------------------------
@@ -162,7 +168,7 @@ class StoreEvents:
         for chunk_hash in outcome.failed:
             for b in objects.get(chunk_hash, ()):
                 self._events.append(BlockRemoved(block_hashes=list(b.hashes), medium=self.medium, group_idx=b.group,
-                                                 locality=self.locality))
+                                                 locality=self.locality, ownership=self.ownership))
                 self.stats.add(kv_events_removed_blocks=len(b.hashes))
 
     # ---- out ------------------------------------------------------------------------
@@ -218,6 +224,8 @@ def store_events_for(vllm_config: "VllmConfig", config: "ConnectorConfig", kv_ca
 
     hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or vllm_config.cache_config.block_size
     locality = "LOCAL" if reads_in_memory(config.store) else "REMOTE"
-    logger.info("kvcodec: publishing the store's KV cache events as medium %r (%s)", config.kv_events_medium, locality)
-    return StoreEvents(enabled=True, medium=config.kv_events_medium, locality=locality, block_sizes=block_sizes,
+    logger.info("kvcodec: publishing the store's KV cache events as medium %r, ownership %r (%s)",
+                config.kv_events_medium, config.kv_events_ownership, locality)
+    return StoreEvents(enabled=True, medium=config.kv_events_medium, locality=locality,
+                       ownership=config.kv_events_ownership, block_sizes=block_sizes,
                        hash_block_size=hash_block_size, savers=savers, stats=stats)

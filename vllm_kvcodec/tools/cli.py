@@ -81,6 +81,110 @@ def bench_serve(
               save_lookups=tuple(save_lookup or ()))
 
 
+@bench_app.command("trace")
+def bench_trace(
+    simulate: Optional[Path] = typer.Option(None, "--simulate", help="Simulate this trace file (the whole of it by default) instead of replaying one on real servers."),
+    trace: Optional[Path] = typer.Option(None, help="Replay: the trace file (default ../shared/data/traces/mooncake_conversation_trace.jsonl beside the checkout)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="JSON file to write (default bench-results/trace.json, trace-sim.json or trace-curves.json)."),
+    workers: Optional[int] = typer.Option(None, min=1, help="Workers (default: 2 replayed, 16 simulated)."),
+    first: Optional[int] = typer.Option(None, min=1, help="Only the first N requests (replay default: 40)."),
+    start_s: float = typer.Option(0.0, min=0, help="Skip requests arriving before this many seconds of the trace."),
+    window_s: Optional[float] = typer.Option(None, min=0, help="Only requests arriving within this many seconds (after --start-s)."),
+    tokens_per_id: Optional[int] = typer.Option(None, min=1, help="Prompt tokens per trace id (default: 32 replayed, 512 simulated: the real trace)."),
+    max_output: Optional[int] = typer.Option(None, min=1, help="Cap each answer at this many tokens (replay default: 4)."),
+    block_tokens: Optional[int] = typer.Option(None, min=1, help="vLLM's block size in tokens (default: 32 replayed, a CPU engine's smallest; 16 simulated, a GPU's)."),
+    chunk_tokens: int = typer.Option(256, min=1, help="The connector's chunk_size."),
+    codec: str = typer.Option("rans", help="The connector's codec (simulated: its measured ratio and decode speed)."),
+    local_tokens: int = typer.Option(1_000_000, min=0, help="Simulated: each worker's local prefix cache in tokens (0: none)."),
+    store_bytes: str = typer.Option("0", help="Simulated: the shared store's size (e.g. 2T, 500GiB; 0: unbounded)."),
+    near_bytes: str = typer.Option("0", help="Near tier per worker: simulated size (0: none); replayed (e) default 2GiB."),
+    connector: bool = typer.Option(True, help="Simulated: the connector on (a shared store) or off (local caches only)."),
+    policy: str = typer.Option("round_robin", help="Simulated routing: round_robin or longest_prefix."),
+    balance_s: float = typer.Option(1.0, min=0, help="Simulated longest_prefix: only workers whose queue is within this many seconds of the shortest."),
+    model: str = typer.Option("llama-70b", help="Simulated replica: llama-70b (8 x H100), llama-8b (1 x H100), smollm2-135m."),
+    kv_bytes_per_token: Optional[int] = typer.Option(None, min=1, help="Override the model's KV bytes per token."),
+    prefill_s_per_token: Optional[float] = typer.Option(None, min=0, help="Override the prefill seconds per token."),
+    prefill_s_per_token2: Optional[float] = typer.Option(None, min=0, help="Override the prefill seconds per token squared (attention)."),
+    link_gbps: float = typer.Option(100.0, min=0.001, help="Simulated link to the shared store, Gbit/s."),
+    decode_threads: int = typer.Option(16, min=1, help="Simulated decode threads per replica (times the codec's measured one-thread speed)."),
+    overlap: bool = typer.Option(True, help="Simulated: a load overlaps the prefill of the rest (layer streaming)."),
+    time_scale: float = typer.Option(1.0, min=0, help="Simulated: multiply the trace's arrival times (queueing)."),
+    per_request: bool = typer.Option(False, help="Simulated: write each request's split to the JSON."),
+    curves: bool = typer.Option(False, help="Simulated: sweep the store size for raw, splitzip, rans and video, both policies, llama-70b and llama-8b."),
+    configs: str = typer.Option("abcde", help="Replay: configurations, any of a b c d e."),
+    speed: float = typer.Option(1.0, min=0.001, help="Replay: trace seconds per replay second."),
+    min_gap_s: float = typer.Option(0.0, min=0, help="Replay: space arrivals at least this far apart (seconds)."),
+    link: Optional[str] = typer.Option(None, help="Replay: put Redis behind the link emulator, e.g. 'gbps=10&rtt_ms=0.5'."),
+    kv_cache_gib: int = typer.Option(1, min=1, help="Replay: each worker's KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)."),
+    hash_seed: int = typer.Option(0, help="Replay: PYTHONHASHSEED of the client (its prompts) and the workers."),
+    work_dir: Optional[Path] = typer.Option(None, help="Replay: keep every log and ledger in this folder."),
+) -> None:
+    """A production trace: replayed through vllm-router and vllm bench serve on a fleet (a)-(e), or simulated whole."""
+    from vllm_kvcodec.tools.bench.trace_file import DEFAULT_TRACE, TRACE_TOKENS_PER_ID, TraceError
+
+    try:
+        if simulate is not None:
+            _simulate_trace(simulate, json_out, workers or 16, first, start_s, window_s,
+                            tokens_per_id or TRACE_TOKENS_PER_ID, max_output, block_tokens or 16, chunk_tokens, codec,
+                            local_tokens, store_bytes, near_bytes, connector, policy, balance_s, model,
+                            kv_bytes_per_token, prefill_s_per_token, prefill_s_per_token2, link_gbps, decode_threads,
+                            overlap, time_scale, per_request, curves)
+            return
+        from vllm_kvcodec.tools.bench import trace as replay
+
+        spec = replay.ReplaySpec(
+            trace=trace or DEFAULT_TRACE, first=first if first or window_s else 40, start_s=start_s,
+            window_s=window_s, tokens_per_id=tokens_per_id or 32, speed=speed, max_output=max_output or 4,
+            workers=workers or 2, block_size=block_tokens or 32, chunk_size=chunk_tokens, codec=codec, link=link,
+            near_bytes=near_bytes if near_bytes != "0" else "2GiB", kv_cache_gib=kv_cache_gib, configs=configs,
+            hash_seed=hash_seed, min_gap_s=min_gap_s, work_dir=work_dir)
+        replay.check_parts(spec)
+    except (TraceError, ValueError, RuntimeError) as exc:
+        fail(exc)
+    result = replay.run(spec, json_out or RESULTS / "trace.json")
+    if any(c["failed"] for c in result["configs"]):
+        raise typer.Exit(1)
+
+
+def _simulate_trace(path: Path, json_out: Optional[Path], workers: int, first: Optional[int], start_s: float,
+                    window_s: Optional[float], tokens_per_id: int, max_output: Optional[int], block_tokens: int,
+                    chunk_tokens: int, codec: str, local_tokens: int, store_bytes: str, near_bytes: str,
+                    connector: bool, policy: str, balance_s: float, model: str, kv_bytes_per_token: Optional[int],
+                    s_per_token: Optional[float], s_per_token2: Optional[float], link_gbps: float,
+                    decode_threads: int, overlap: bool, time_scale: float, per_request: bool, curves: bool) -> None:
+    from vllm_kvcodec.tools.bench import trace_study
+    from vllm_kvcodec.tools.bench.trace_file import read_trace
+    from vllm_kvcodec.tools.bench.trace_model import CostModel, measured_codecs, model_spec
+    from vllm_kvcodec.tools.bench.trace_sim import FleetSpec
+
+    requests = [r for r in read_trace(path) if r.timestamp_ms >= start_s * 1000]
+    if window_s is not None:
+        requests = [r for r in requests if r.timestamp_ms < (start_s + window_s) * 1000]
+    requests = requests[:first] if first else requests
+    if not requests:
+        raise ValueError(f"{path}: no request in the window asked for")
+    if curves:
+        trace_study.curves(requests, json_out or RESULTS / "trace-curves.json", workers=workers)
+        return
+    codecs = measured_codecs()
+    if codec not in codecs:
+        raise ValueError(f"unknown codec {codec!r} for the simulator; measured: {', '.join(codecs)}")
+    fleet = FleetSpec(workers=workers, tokens_per_id=tokens_per_id, block_tokens=block_tokens,
+                      chunk_tokens=chunk_tokens, local_tokens=local_tokens, store_bytes=_size(store_bytes),
+                      connector=connector, near_bytes=_size(near_bytes), policy=policy, balance_s=balance_s)
+    cost = CostModel(model_spec(model, kv_bytes_per_token, s_per_token, s_per_token2), codecs[codec],
+                     link_gbps=link_gbps, decode_threads=decode_threads, overlap=overlap)
+    trace_study.run_one(requests, fleet, cost, json_out or RESULTS / "trace-sim.json", max_output=max_output,
+                        per_request=per_request, time_scale=time_scale)
+
+
+def _size(text: str) -> int:
+    """Bytes from a size such as 2T or 500GiB; 0 stays 0 (unbounded, or none)."""
+    from storage.options import parse_size
+
+    return 0 if text.strip() in ("0", "") else parse_size("size", text)
+
+
 @bench_app.command("schedule")
 def bench_schedule(
     output: Path = typer.Option(RESULTS / "schedule.json", help="JSON file to write."),

@@ -83,16 +83,16 @@ def running(argv: Sequence[str], log_path: Path, env: dict[str, str], start_time
             _wait_healthy(server, start_timeout)
             break
         except PortTakenError:
-            _stop(server)
+            stop(server)
             if attempt == 2:
                 raise
         except BaseException:
-            _stop(server)
+            stop(server)
             raise
     try:
         yield server
     finally:
-        _stop(server)
+        stop(server)
 
 
 class PortTakenError(RuntimeError):
@@ -111,7 +111,8 @@ def _start(argv: Sequence[str], log_path: Path, env: dict[str, str], cwd: Path |
     return Server(proc, port, log_path)
 
 
-def _stop(server: Server) -> None:
+def stop(server: Server) -> None:
+    """SIGTERM, 30 s to exit, then SIGKILL to its whole process group."""
     if server.proc.poll() is None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             server.terminate(30)
@@ -119,16 +120,23 @@ def _stop(server: Server) -> None:
 
 
 def _wait_healthy(server: Server, timeout: float) -> None:
+    wait_answering(server, timeout)
+
+
+def wait_answering(server: Server, timeout: float, path: str = "/health", name: str = "server",
+                   owned: bool = True) -> None:
+    """Until ``path`` answers 200 (from this server's own process tree, with ``owned``); an error with the log's
+    end if the process exits or ``timeout`` passes first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
-            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log()[-4000:]}")
+            raise RuntimeError(f"{name} exited with {server.proc.returncode}:\n{server.log()[-4000:]}")
         with contextlib.suppress(OSError):
-            with urllib.request.urlopen(server.url + "/health", timeout=5) as resp:
-                if resp.status == 200 and _listens(server.proc.pid, server.port):
+            with urllib.request.urlopen(server.url + path, timeout=5) as resp:
+                if resp.status == 200 and (not owned or _listens(server.proc.pid, server.port)):
                     return
         time.sleep(1)
-    raise RuntimeError(f"server did not answer /health within {timeout:.0f} s:\n{server.log()[-4000:]}")
+    raise RuntimeError(f"{name} did not answer {path} within {timeout:.0f} s:\n{server.log()[-4000:]}")
 
 
 def _listens(pid: int, port: int) -> bool:

@@ -111,6 +111,102 @@ def ttft_stages_figure(result: dict[str, Any]) -> Figure:
     return fig
 
 
+SOURCE_COLOURS = {"local": "#1f77b4", "store": "#d62728", "computed": "#c7c7c7"}
+
+
+def trace_replay_figure(result: dict[str, Any]) -> Figure:
+    """``bench trace``: each configuration's prompt tokens by source (vLLM's counters), and its TTFT."""
+    rows = result["configs"]
+    labels = [f"({r['config']}) {r['policy']}\n{'connector' if r['connector'] else 'no connector'}"
+              + (" + near" if r.get("near_tier") else "") for r in rows]
+    fig = Figure(figsize=(9, 3.8), layout="constrained")
+    share_ax, ttft_ax = fig.subplots(1, 2, width_ratios=[1.3, 1])
+    left = [0.0] * len(rows)
+    for source in ("local", "store", "computed"):
+        values = [r["shares_vllm"][source] * 100 for r in rows]
+        share_ax.barh(labels, values, left=left, color=SOURCE_COLOURS[source], label=source)
+        left = [a + b for a, b in zip(left, values)]
+    share_ax.axvline(result["ceiling_share"] * 100, color="black", linestyle="--", linewidth=1)
+    share_ax.text(result["ceiling_share"] * 100, -0.6, " ceiling", fontsize=8, va="top")
+    share_ax.invert_yaxis()
+    share_ax.set_xlabel("% of prompt tokens: local cache, loaded from the store, computed")
+    share_ax.legend(fontsize=8, loc="lower right")
+    y = range(len(rows))
+    ttft_ax.barh([i - 0.2 for i in y], [r["median_ttft_ms"] or 0 for r in rows], 0.4, color="#555555", label="p50")
+    ttft_ax.barh([i + 0.2 for i in y], [r["p99_ttft_ms"] or 0 for r in rows], 0.4, color="#aaaaaa", label="p99")
+    ttft_ax.set_yticks(list(y), [f"({r['config']})" for r in rows])
+    ttft_ax.invert_yaxis()
+    ttft_ax.set_xlabel("TTFT, ms")
+    ttft_ax.legend(fontsize=8)
+    sp = result["spec"]
+    fig.suptitle(f"{result['requests']} requests of the Mooncake trace at {sp['tokens_per_id']} tokens per id, "
+                 f"{sp['workers']} CPU workers behind vllm-router")
+    return fig
+
+
+def trace_curves_figure(result: dict[str, Any]) -> Figure:
+    """``bench trace --simulate --curves``: hit share and prefill GPU-hours saved against the store's size."""
+    models = list(result["models"])
+    fig = Figure(figsize=(10, 3.6 * len(models)), layout="constrained")
+    axes = fig.subplots(len(models), 2, squeeze=False)
+    for (hit_ax, gpu_ax), name in zip(axes, models):
+        m = result["models"][name]
+        for policy, style in (("round_robin", "-"), ("longest_prefix", ":")):
+            for codec, points in m["curves"].get(policy, {}).items():
+                tb = [p["store_bytes"] / 1e12 for p in points]
+                hit_ax.plot(tb, [(p["local"] + p["store"]) * 100 for p in points], style, marker="o", markersize=3,
+                            color=codec_colour(codec), label=f"{codec}, {policy}")
+                gpu_ax.plot(tb, [p["gpu_s_saved"] / 3600 for p in points], style, marker="o", markersize=3,
+                            color=codec_colour(codec))
+            base = m["no_store"].get(policy)
+            if base:
+                hit_ax.axhline((base["local"] + base["store"]) * 100, color="black", linestyle=style, linewidth=0.8)
+        hit_ax.set_xscale("log")
+        gpu_ax.set_xscale("log")
+        hit_ax.set_xlabel("shared store, TB")
+        gpu_ax.set_xlabel("shared store, TB")
+        hit_ax.set_ylabel("% of prompt tokens not computed")
+        gpu_ax.set_ylabel("prefill GPU-hours saved (of the hour)")
+        hit_ax.set_title(f"{name}: hit share (black: local caches only)", fontsize=9)
+        gpu_ax.set_title(f"{name}: prefill saved", fontsize=9)
+        hit_ax.grid(True, which="both", alpha=0.3)
+        gpu_ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"The whole Mooncake hour ({result['requests']} requests) on {result['workers']} replicas, simulated "
+                 "(solid: round robin, dotted: longest local prefix)")
+    return fig
+
+
+def trace_ttft_figure(result: dict[str, Any]) -> Figure:
+    """``bench trace --simulate --curves``: the modelled TTFT distribution without a store and with each codec's."""
+    from vllm_kvcodec.tools.bench.trace_sim import histogram_edges
+
+    models = list(result["models"])
+    fig = Figure(figsize=(10, 3.4), layout="constrained")
+    axes = fig.subplots(1, len(models), squeeze=False)[0]
+    for ax, name in zip(axes, models):
+        m = result["models"][name]
+        pick = len(m["store_bytes"]) // 2
+        rows = [("no store", "#000000", m["no_store"]["round_robin"])]
+        rows += [(codec, codec_colour(codec), pts[pick]) for codec, pts in m["curves"]["round_robin"].items()]
+        for label, colour, point in rows:
+            h = point["ttft_histogram"]
+            edges, counts = histogram_edges(h["top_s"]), h["counts"]
+            total = sum(counts) or 1
+            cdf, run = [], 0
+            for c in counts:
+                run += c
+                cdf.append(run / total * 100)
+            ax.step(edges[1:], cdf, where="post", color=colour, label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("modelled TTFT, s")
+        ax.set_ylabel("% of requests")
+        ax.set_title(f"{name}, round robin, store {m['store_bytes'][pick] / 1e12:.1f} TB", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    return fig
+
+
 def _short(name: str) -> str:
     """``video(backend=hevc,layout=1)`` -> ``video hevc``; ``zstd(level=1)`` -> ``zstd-1``."""
     if name.startswith("zstd(level="):

@@ -44,8 +44,8 @@ def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     console.print(t)
 
 
-def wide_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
-    """Figures in columns that a pipe or a log file does not truncate (at least 110 columns wide)."""
+def wide_table(title: str, columns: list[str], rows: list[list[str]], width: int = 110) -> None:
+    """Figures in columns that a pipe or a log file does not truncate (at least ``width`` columns wide)."""
     from rich import box
 
     t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
@@ -54,4 +54,4 @@ def wide_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     for r in rows:
         t.add_row(*r)
     # At least 110 columns: a pipe's default 80 would truncate the figures.
-    Console(width=max(console.width, 110), force_terminal=console.is_terminal).print(t)
+    Console(width=max(console.width, width), force_terminal=console.is_terminal).print(t)

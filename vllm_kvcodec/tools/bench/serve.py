@@ -170,12 +170,20 @@ def _store_url(store: str | None, tmp: Path, repeat: int | str, link: str | None
     return with_query(base, options)
 
 
-def _server_argv(kind: str, model: str, url: str, connector: dict[str, Any]) -> list[str]:
+def engine_args(block_size: int = 128, max_model_len: int = 2048) -> list[str]:
+    """The engine settings every server of a comparison shares (bf16, eager, vLLM's prefix cache on)."""
     from vllm_kvcodec.tools.server_process import SERVED_NAME
+
+    return ["--dtype", "bfloat16", "--block-size", str(block_size), "--enforce-eager", "--max-model-len",
+            str(max_model_len), "--enable-prefix-caching", "--served-model-name", SERVED_NAME]
+
+
+def _server_argv(kind: str, model: str, url: str, connector: dict[str, Any],
+                 engine: list[str] | None = None) -> list[str]:
+    """``vllm serve`` (kind ``none``) or ``kvcodec serve`` on ``url``, with ``engine`` (default :func:`engine_args`)."""
     from vllm_kvcodec.tools.serve import plan_serve
 
-    engine = ["--dtype", "bfloat16", "--block-size", "128", "--enforce-eager", "--max-model-len", "2048",
-              "--enable-prefix-caching", "--served-model-name", SERVED_NAME]
+    engine = engine_args() if engine is None else engine
     if kind == "none":
         return ["-m", "vllm_kvcodec.tools.vllm_cli", "serve", model, *engine]
     plan = plan_serve(model, {"store": url, "log_interval_s": 0, **connector, **_variant_config(kind)}, engine,
@@ -212,16 +220,27 @@ def _one_run(kind: str, model: str, url: str, connector: dict[str, Any], client:
 
 def _client(base_url: str, client: list[str], work: Path) -> dict[str, Any]:
     """One ``vllm bench serve`` run; vLLM's own result JSON, trimmed to the figures compared here."""
-    argv = [sys.executable, "-m", "vllm_kvcodec.tools.vllm_cli", *client, "--base-url", base_url,
-            "--save-result", "--result-dir", str(work), "--result-filename", "client.json"]
-    with open(work / "client.log", "wb") as log:
-        rc = subprocess.run(argv, env=_server_env(), stdout=log, stderr=subprocess.STDOUT, check=False).returncode
-    if rc != 0:
-        raise RuntimeError(f"vllm bench serve exited with {rc}:\n{(work / 'client.log').read_text()[-3000:]}")
-    raw = json.loads((work / "client.json").read_text())
+    raw = client_result(base_url, client, work)
     keep = ("completed", "failed", "duration", "request_throughput", "output_throughput", "mean_ttft_ms",
             "median_ttft_ms", "p99_ttft_ms", "mean_e2el_ms", "p99_e2el_ms")
     return {k: raw.get(k) for k in keep}
+
+
+def client_result(base_url: str, client: list[str], work: Path, env: dict[str, str] | None = None,
+                  timeout: float | None = None) -> dict[str, Any]:
+    """One ``vllm bench serve`` run against ``base_url``: vLLM's whole result JSON (its log in ``work``)."""
+    argv = [sys.executable, "-m", "vllm_kvcodec.tools.vllm_cli", *client, "--base-url", base_url,
+            "--save-result", "--result-dir", str(work), "--result-filename", "client.json"]
+    with open(work / "client.log", "wb") as log:
+        try:
+            rc = subprocess.run(argv, env=env or _server_env(), stdout=log, stderr=subprocess.STDOUT, check=False,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"vllm bench serve did not finish within {timeout:.0f} s "
+                               f"(see {work / 'client.log'})") from None
+    if rc != 0:
+        raise RuntimeError(f"vllm bench serve exited with {rc}:\n{(work / 'client.log').read_text()[-3000:]}")
+    return json.loads((work / "client.json").read_text())
 
 
 def _tree_cpu_s(pid: int) -> float:
