@@ -129,6 +129,7 @@ class SharedEngine:
 
     def stop(self) -> None:
         llm, self.llm, self.conn = self.llm, None, None
+        self.counters = self.scheduler_counters = None  # they hold the connectors: let them go with the engine
         stop_engine(llm)
 
     def _clear_store(self) -> None:
