@@ -57,12 +57,7 @@ def start_engine(kv_transfer_config: dict[str, Any] | None = None, dtype: str = 
 
     from vllm_kvcodec.tools.smollm2 import model_dir
 
-    # vLLM runs about six full garbage collections while it starts an engine (loading the model, freezing its
-    # heap, after profiling); in a test process each scans every object its imports and earlier tests left,
-    # 0.5-1 s apiece. Frozen, those are not scanned. The engine's own objects are made after this, so they are
-    # collected as usual, and vLLM's shutdown unfreezes everything again (gc.unfreeze), so nothing stays frozen
-    # beyond the engine's life.
-    gc.freeze()
+    freeze_heap()
     try:
         return LLM(
             model=model or str(model_dir()), dtype=dtype, block_size=engine_args.pop("block_size", BLOCK),
@@ -74,6 +69,15 @@ def start_engine(kv_transfer_config: dict[str, Any] | None = None, dtype: str = 
         gc.collect()
         cleanup_dist_env_and_memory()  # a start-up refusal must not leave its groups to the next engine
         raise
+
+
+def freeze_heap() -> None:
+    """Call right before an engine starts. vLLM runs about six full garbage collections while it starts one
+    (loading the model, freezing its heap, after profiling); in a test process each scans every object its
+    imports and earlier tests left, 0.5-1 s apiece. Frozen, those are not scanned. The engine's own objects are
+    made after this, so they are collected as usual, and vLLM's shutdown unfreezes everything again
+    (``gc.unfreeze``), so nothing stays frozen beyond the engine's life."""
+    gc.freeze()
 
 
 def stop_engine(llm: Any) -> None:
