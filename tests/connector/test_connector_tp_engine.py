@@ -8,7 +8,8 @@ connector, saving and loading its own shard under its own rank in the key
 found only when every rank's object of it is stored. What a rank holds is
 read in that rank's process through ``LLM.collective_rpc``.
 
-Engine 1 saves, a fresh engine 2 loads (tests/support/parallel_engine.py):
+The engine saves, then, reset as a fresh engine on its store would start,
+loads (tests/support/parallel_engine.py):
 
 - every rank's paged KV is the stored bits of its own objects, and the
   tokens are the local-prefix-cache run's;
@@ -16,7 +17,7 @@ Engine 1 saves, a fresh engine 2 loads (tests/support/parallel_engine.py):
   rank loads it; the tokens are those of the shorter hit);
 - an object that one rank fails to load (corrupted after the lookup found it)
   makes vLLM recompute the blocks on every rank: the tokens are a full
-  recompute's, and each rank's KV is what engine 1 computed.
+  recompute's, and each rank's KV is what the saving run computed.
 
 Each rank runs one OpenMP thread so that three ranks on a small host do not
 fight over its cores (without it they slow down many times). On 2 idle cores
@@ -32,6 +33,7 @@ import pytest
 
 from tests.support.engine import connector_config, engine
 from tests.support.parallel_engine import (
+    as_fresh,
     assert_a_missing_object_is_a_miss_for_all,
     assert_every_worker_loads_bit_exactly,
     assert_one_failed_load_is_recomputed_by_all,
@@ -71,16 +73,21 @@ def config(url: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def saved(text, url) -> dict[str, Any]:
+def llm(url):
+    """The module's one engine: it saves, then loads (see tests/support/parallel_engine.py)."""
     with engine(config(url), **ENGINE) as llm:
-        return references(llm, text, CHUNK)
+        yield llm
 
 
 @pytest.fixture(scope="module")
-def loader(saved, url):
-    """Engine 2: a fresh engine of the same configuration over the same store."""
-    with engine(config(url), **ENGINE) as llm:
-        yield llm
+def saved(llm, text) -> dict[str, Any]:
+    return references(llm, text, CHUNK)
+
+
+@pytest.fixture(scope="module")
+def loader(saved, llm):
+    """The engine that saved, reset as a fresh engine of the same configuration over the same store would start."""
+    return as_fresh(llm)
 
 
 def test_each_rank_saves_its_own_shard_of_each_layer_group(saved, text, url) -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.engine import connector_config, engine, greedy, worker_connector
+from tests.support.engine import greedy
+from tests.support.engine_pool import connected
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.identity import PLAIN, PromptIdentity, model_identity, weights_fingerprint
 from vllm_kvcodec.keys import Namespace, chunk_hashes
@@ -193,25 +194,24 @@ def test_fp8_cache_dtypes_name_their_bytes() -> None:
 
 
 @pytest.mark.engine
-def test_cache_salt_tenants_never_share_chunks(tmp_path: Path) -> None:
+def test_cache_salt_tenants_never_share_chunks(engines) -> None:
+    """One engine, reset between tenants as a fresh engine on the same store (vLLM's prefix cache and the
+    connector's memory of the store emptied)."""
     from vllm_kvcodec.tools.smollm2 import sample_token_ids
 
-    ids = sample_token_ids(1700)[1100:]  # text no other engine test of this store saw
-    store = f"file://{tmp_path}/store"
-    with engine(connector_config(store, chunk_size=128)) as llm:
-        alice = greedy(llm, ids, cache_salt="alice")
-        alice_cached = greedy(llm, ids, cache_salt="alice")  # what a prefix hit must reproduce
-        assert worker_connector().flush()
-    with engine(connector_config(store, chunk_size=128)) as llm:
-        conn = worker_connector()
-        assert greedy(llm, ids, cache_salt="bob") == alice  # recomputed: same engine kind, same tokens
-        assert conn.stats().get("loaded_tokens", 0) == 0
-        assert greedy(llm, ids) == alice  # no salt is a tenant of its own too
-        assert conn.stats().get("loaded_tokens", 0) == 0
-    with engine(connector_config(store, chunk_size=128)) as llm:
-        conn = worker_connector()
-        assert greedy(llm, ids, cache_salt="alice") == alice_cached
-        assert conn.stats()["loaded_tokens"] == 512  # alice's own chunks do come back
+    ids = sample_token_ids(1700)[1100:]
+    e = engines.get(connected(codec="rans", chunk_size=128))
+    alice = greedy(e.llm, ids, cache_salt="alice")
+    alice_cached = greedy(e.llm, ids, cache_salt="alice")  # what a prefix hit must reproduce
+    assert e.conn.flush()
+    e.reset(keep_store=True)
+    assert greedy(e.llm, ids, cache_salt="bob") == alice  # recomputed: same engine kind, same tokens
+    assert e.counters().get("loaded_tokens", 0) == 0
+    assert greedy(e.llm, ids) == alice  # no salt is a tenant of its own too
+    assert e.counters().get("loaded_tokens", 0) == 0
+    e.reset(keep_store=True)
+    assert greedy(e.llm, ids, cache_salt="alice") == alice_cached
+    assert e.counters()["loaded_tokens"] == 512  # alice's own chunks do come back
 
 
 def _adapter(folder: Path, fill: int) -> Path:

@@ -161,6 +161,11 @@ CROSS_FRAMEWORK_EXACT = 0.999
 
 @pytest.fixture(scope="module")
 def engine():
+    """An engine of its own: its connector is this module's test-only one."""
+    from tests.support.engine import freeze_heap
+    from tests.support.engine_pool import stop_shared_engine
+
+    stop_shared_engine()  # one in-process engine at a time
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "HF_HUB_OFFLINE": "1",
@@ -171,6 +176,7 @@ def engine():
     os.environ.update(env)
     from vllm_kvcodec.tools.smollm2 import model_dir
 
+    freeze_heap()
     llm = vllm.LLM(
         model=str(model_dir()),
         dtype="bfloat16",

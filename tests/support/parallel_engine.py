@@ -1,9 +1,12 @@
 """What the engine tests of tensor and pipeline parallelism share: one engine, a worker process per rank or stage.
 
-Engine 1 computes and saves the prompts and gives the references (a cold run,
-and a rerun served by vLLM's local prefix cache with as many cached tokens as
-a connector load); a fresh engine 2 loads them. What a worker holds is read in
-its own process through ``LLM.collective_rpc(worker_state)``, in the order of
+The engine computes and saves the prompts and gives the references (a cold
+run, and a rerun served by vLLM's local prefix cache with as many cached
+tokens as a connector load); then, reset as a fresh engine on its store would
+start (:func:`as_fresh`), it loads them. (That a new engine process finds the
+same keys is tests/connector/test_connector_chunks.py's; starting a parallel
+engine costs a minute or two on 2 cores.) What a worker holds is read in its
+own process through ``LLM.collective_rpc(worker_state)``, in the order of
 vLLM's global ranks (stage-major: stage 0's TP ranks first).
 """
 
@@ -47,8 +50,18 @@ def generate(llm: Any, token_ids: list[int]) -> dict[str, Any]:
     return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens}
 
 
+def as_fresh(llm: Any) -> Any:
+    """The engine as a fresh one on its store would start: every worker's saves flushed, the steps owed to finished
+    requests taken, vLLM's prefix cache and the connector's memory of the store emptied."""
+    from tests.support.engine_pool import reset_engine
+
+    llm.collective_rpc(worker_state)  # flushes every worker's saves
+    reset_engine(llm, connector=True)
+    return llm
+
+
 def references(llm: Any, text: list[int], chunk: int) -> dict[str, Any]:
-    """Engine 1: every prompt computed cold (and saved by each worker), then P again from the local prefix cache,
+    """The saving engine: every prompt computed cold (and saved by each worker), then P again from the local prefix cache,
     and M after its first chunk alone: the references for a 4-chunk and a 1-chunk hit; ``workers`` their states."""
     p = prompts(text)
     out = {"cold_p": generate(llm, p["p"]), "m_head": generate(llm, p["m_head"])}
@@ -128,9 +141,9 @@ def assert_a_missing_object_is_a_miss_for_all(loader: Any, saved: dict[str, Any]
 
 def assert_one_failed_load_is_recomputed_by_all(loader: Any, saved: dict[str, Any], text: list[int], url: str,
                                                 tp_rank: int, group: int, failing_worker: int) -> None:
-    """The object (``tp_rank``, ``group``) of F's first chunk is corrupted after engine 1 saved it (the lookup finds
-    it; its checksum fails on ``failing_worker`` only): vLLM recomputes the prompt on every worker, and each
-    worker's KV is what engine 1 computed."""
+    """The object (``tp_rank``, ``group``) of F's first chunk is corrupted after it was saved (the lookup finds it;
+    its checksum fails on ``failing_worker`` only): vLLM recomputes the prompt on every worker, and each worker's
+    KV is what the saving run computed."""
     from storage import open_store
     from vllm_kvcodec.keys import chunk_hashes, object_key
 
@@ -152,6 +165,6 @@ def assert_one_failed_load_is_recomputed_by_all(loader: Any, saved: dict[str, An
     others = [n for i, n in enumerate(failures) if i != failing_worker]
     assert others == [0] * len(others) and failures[failing_worker] >= 1, failures  # only that worker's load failed
     with open_store(url) as store:
-        store.put(key, good)  # engine 1's bits (the recompute saved the chunk again; compare with the original)
+        store.put(key, good)  # the saving run's bits (the recompute saved the chunk again; compare with those)
     checks = loader.collective_rpc(worker_state, args=(url,))
-    assert [c["check"] for c in checks] == ["ok"] * len(checks), checks  # it recomputed what engine 1 computed
+    assert [c["check"] for c in checks] == ["ok"] * len(checks), checks  # it recomputed what the saving run did

@@ -1,7 +1,10 @@
 """pytest fixtures for a real local redis-server (the start/stop code lives in storage.testing.redis_server).
 
 The session server is shared by every Redis test; ``redis_url`` hands each test
-an empty database (``redis_cluster_url`` the same for a one-node cluster). Tests that kill or freeze a server start their own with
+an empty database (``redis_cluster_url`` the same for a one-node cluster). Each
+pytest-xdist worker is a session of its own (``make test`` runs one per core), so
+each has its own server on its own free port, and flushing it touches no other
+worker's data. Tests that kill or freeze a server start their own with
 :func:`short_lived_redis_server`, so the shared one stays healthy. A missing
 redis-server fails the tests instead of skipping them: CI installs it
 (``make test`` runs ``apt-get install redis-server`` when it is missing), and a

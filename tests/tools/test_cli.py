@@ -61,7 +61,9 @@ def test_bench_faults_counts_no_wrong_load(tmp_path) -> None:
 @pytest.mark.engine
 def test_bench_ttft_compares_a_load_with_recompute(tmp_path) -> None:
     out = tmp_path / "ttft.json"
-    args = ["--prefix-tokens", "512", "--suffix-tokens", "16", "--codec", "rans", "--gbps", "10", "--repeats", "1"]
+    # One timed pair of the replay (its default: 10): test_bench_ttft_replay_only_... checks the pairs, with two.
+    args = ["--prefix-tokens", "512", "--suffix-tokens", "16", "--codec", "rans", "--gbps", "10", "--repeats", "1",
+            "--replay-repeats", "1"]
     done = kvcodec("bench", "ttft", *args, "--output", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())

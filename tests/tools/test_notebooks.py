@@ -5,7 +5,9 @@ Each notebook is executed by nbclient in a Jupyter kernel of this very Python
 the repository first on ``PYTHONPATH``; the executed copy goes to a temporary
 directory, never back into examples/. A notebook passes when no cell raised (the
 notebooks assert their own bit-exact round trips and identical greedy tokens) and
-it drew at least one chart.
+it drew at least one chart. A notebook runs at the smallest scale that still
+takes every path it shows (``SMALL``: parameters of its first cell, replaced
+before it runs); its defaults are for reading, the figures are benchmarks'.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -34,6 +37,17 @@ NEEDS = {
     "03_lmcache_plugin.ipynb": ("lmcache", "transformers"),
 }
 MARKS = {"02_remote_prefix_cache.ipynb": [pytest.mark.engine]}
+#: Parameters run at test scale. 02: a 2-chunk prefix instead of 8, the sweep over one codec at one link speed
+#: instead of two at two: the same cells, loads and charts, with 4 engines instead of 7.
+SMALL = {"02_remote_prefix_cache.ipynb": {"PREFIX_TOKENS": 512, "CODECS": ["rans"], "GBPS": [10.0]}}
+
+
+def with_parameters(nb, values: dict) -> None:
+    """Replace the assignments of ``values``' names in the notebook's first code cell (its parameters)."""
+    cell = next(c for c in nb.cells if c.cell_type == "code")
+    for name, value in values.items():
+        cell.source, n = re.subn(rf"^{name} = .*$", f"{name} = {value!r}  # the test's scale", cell.source, flags=re.M)
+        assert n == 1, f"no parameter {name} in the first code cell"
 
 
 def this_python_kernelspec(root: Path) -> Path:
@@ -82,6 +96,7 @@ def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     run_dir.mkdir()
 
     nb = nbformat.read(path, as_version=4)
+    with_parameters(nb, SMALL.get(path.name, {}))
     client = NotebookClient(nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(run_dir)}})
     started = time.perf_counter()
     try:

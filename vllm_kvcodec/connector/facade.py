@@ -202,6 +202,13 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         self._s.update_connector_output(connector_output)
 
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: forget what this instance knows of the store (the
+        chunks it saved, the loads that failed), so that it looks chunks up and saves them as a fresh instance
+        would. The store itself is shared with other instances: it is left as it is."""
+        self._s.forget_store()
+        return True
+
     def take_events(self) -> "Iterable[KVCacheEvent]":
         """The store's KV cache events since the last step (BlockStored / BlockRemoved, see kv_events.py):
         vLLM's scheduler publishes them with its own when --kv-events-config enables them."""

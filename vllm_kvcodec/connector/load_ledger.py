@@ -177,6 +177,9 @@ class LoadLedger:
         """A save of ``chunk_hash`` landed: its object is whole again."""
         self._failed.pop(chunk_hash, None)
 
+    def forget_failures(self) -> None:
+        self._failed.clear()
+
     def first_failed(self, chunk_hashes: Sequence[str]) -> int:
         """Index of the first chunk known to fail, or ``len(chunk_hashes)``."""
         if self._failed:

@@ -787,6 +787,12 @@ class SchedulerHalf:
         self.stats.add(finish_tail_saves_planned=1)
         return True
 
+    def forget_store(self) -> None:
+        """Forget what this instance learnt of the store: the chunks it saved (claims) and those whose loads failed.
+        The next request then looks every chunk up and saves what it computes, as a fresh instance would."""
+        self.claims = SaveClaims()
+        self.ledger.forget_failures()
+
     def state(self) -> dict[str, Any]:
         """What is held between steps (tests check it is empty once the engine is)."""
         return {"requests": list(self._requests), "pending_loads": len(self._pending_loads),
