@@ -5,6 +5,11 @@ store meets every instance of a fleet, and one name may point at other
 weights on another instance. Each engine's greedy tokens must equal its own
 local-prefix-cache run; the adapter whose weights did compute the stored
 chunks still loads them.
+
+Each instance is an engine of its own, not the shared engine reset: vLLM's
+LoRA manager keeps an adapter's weights by its int id for the process's
+life, so one engine asked for "a" (id 1) at P2 after P1 would serve P1's
+weights, which is not what two instances of a fleet do.
 """
 
 from __future__ import annotations
