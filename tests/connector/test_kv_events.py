@@ -41,11 +41,6 @@ class Recorder:
         return [e for e in self.events if type(e).__name__ == kind and e.medium == medium]
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> str:
-    return f"file://{tmp_path / 'store'}"
-
-
 def turn_on_vllm_kv_events(monkeypatch: pytest.MonkeyPatch) -> None:
     """Engines built from now on get ``kv_events_config`` as ``vllm serve --kv-events-config`` sets it.
 

@@ -14,11 +14,6 @@ from tests.support.scheduler_harness import Engine, loaded_tokens, loads_of, pro
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> str:
-    return f"file://{tmp_path / 'store'}"
-
-
 def stored_keys(url: str) -> set[str]:
     """The store's chunk objects (not their block refs, see block_refs.py: they come and go with them)."""
     with open_store(url) as s:

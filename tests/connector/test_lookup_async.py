@@ -66,11 +66,6 @@ class CountingStore(Store):
         return self.inner.keys(prefix)
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> str:
-    return f"file://{tmp_path / 'store'}"
-
-
 SCHEDULING = pytest.mark.parametrize("pipelined", [False, True], ids=["sched", "async-sched"])
 
 

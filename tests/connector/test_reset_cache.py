@@ -11,7 +11,6 @@ Scenarios on vLLM's real Scheduler (tests/support/scheduler_harness.py).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -21,11 +20,6 @@ from tests.support.scheduler_harness import Engine, loaded_tokens, prompt, reloa
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 CHUNK = 32  # the harness's default chunk size
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> str:
-    return f"file://{tmp_path / 'store'}"
 
 
 def run(engine: Engine, req_id: str, tokens: list[int]) -> None:

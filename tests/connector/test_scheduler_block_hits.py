@@ -16,22 +16,13 @@ from typing import Any
 
 import pytest
 
-from tests.support.scheduler_harness import Engine, lookup_modes, loaded_tokens, prompt
+from tests.support.scheduler_harness import Engine, loaded_tokens, prompt
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+#: Every scenario with lookups inline and on the lookup thread (tests/connector/conftest.py).
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.usefixtures("lookup")]
 
 BLOCK, CHUNK = 16, 64
 SCHEDULING = pytest.mark.parametrize("pipelined", [False, True], ids=["sched", "async-sched"])
-
-
-@pytest.fixture(autouse=True, params=["sync", "async"], ids=["lookup-sync", "lookup-async"])
-def lookup(request, monkeypatch) -> str:
-    return lookup_modes(request, monkeypatch)
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> str:
-    return f"file://{tmp_path / 'store'}"
 
 
 def make(tmp_path: Path, store: str, pipelined: bool = False, **kw: Any) -> Engine:

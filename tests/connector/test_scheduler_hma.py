@@ -16,26 +16,17 @@ from typing import Any
 
 import pytest
 
-from tests.support.scheduler_harness import Engine, lookup_modes, Violation, loaded_tokens, loads_of, prompt, reload
+from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of, prompt, reload
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+#: Every scenario with lookups inline and on the lookup thread (tests/connector/conftest.py).
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.usefixtures("lookup")]
 
-
-@pytest.fixture(autouse=True, params=["sync", "async"], ids=["lookup-sync", "lookup-async"])
-def lookup(request, monkeypatch) -> str:
-    """Every scenario with lookups inline and on the lookup thread (the harness's engines default to it)."""
-    return lookup_modes(request, monkeypatch)
 
 W = 40  # tokens; blocks of 16, chunks of 32: a window spans parts of 3 blocks
 GEMMA = [W, W, W, None]  # three window layers and a full one: four KV cache groups
 MISTRAL = [W, W]  # every layer windowed: one window group
 KINDS = pytest.mark.parametrize("windows", [GEMMA, MISTRAL], ids=["gemma-like", "mistral-like"])
 SCHEDULING = pytest.mark.parametrize("pipelined", [False, True], ids=["sched", "async-sched"])
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> str:
-    return f"file://{tmp_path / 'store'}"
 
 
 def make(tmp_path: Path, store: str, windows: list[int | None], pipelined: bool = False, **kw: Any) -> Engine:

@@ -25,26 +25,16 @@ from typing import Any
 import pytest
 
 from tests.connector.test_scheduler_lifecycle import damage_when_loaded, stored
-from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of, lookup_modes, prompt, reload
+from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of, prompt, reload
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+#: Every scenario with lookups inline and on the lookup thread (tests/connector/conftest.py).
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.usefixtures("lookup")]
 
 BLOCK, CHUNK = 16, 128
 #: What a 290-token prompt of a stored 300-token one loads: whole chunks (256), or with block-granular hits every
 #: block but the last token's (288).
 LOADABLE = (256, 288)
 SCHEDULING = pytest.mark.parametrize("pipelined", [False, True], ids=["sched", "async-sched"])
-
-
-@pytest.fixture(autouse=True, params=["sync", "async"], ids=["lookup-sync", "lookup-async"])
-def lookup(request, monkeypatch) -> str:
-    """Every scenario with lookups inline and on the lookup thread (the harness's engines default to it)."""
-    return lookup_modes(request, monkeypatch)
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> str:
-    return f"file://{tmp_path / 'store'}"
 
 
 def make(tmp_path: Path, store: str, pipelined: bool = False, **kw: Any) -> Engine:

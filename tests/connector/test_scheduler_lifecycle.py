@@ -16,20 +16,10 @@ from typing import Any
 
 import pytest
 
-from tests.support.scheduler_harness import Engine, lookup_modes, Violation, loaded_tokens, loads_of, prompt, reload
+from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of, prompt, reload
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-@pytest.fixture(autouse=True, params=["sync", "async"], ids=["lookup-sync", "lookup-async"])
-def lookup(request, monkeypatch) -> str:
-    """Every scenario with lookups inline and on the lookup thread (the harness's engines default to it)."""
-    return lookup_modes(request, monkeypatch)
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> str:
-    return f"file://{tmp_path / 'store'}"
+#: Every scenario with lookups inline and on the lookup thread (tests/connector/conftest.py).
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.usefixtures("lookup")]
 
 
 #: vLLM's two ways of stepping: the output of step N before step N+1 is scheduled, or after (async scheduling).

@@ -14,23 +14,14 @@ from typing import Any
 
 import pytest
 
-from tests.support.scheduler_harness import Engine, lookup_modes, loaded_tokens, loads_of, prompt
+from tests.support.scheduler_harness import Engine, loaded_tokens, loads_of, prompt
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+#: Every scenario with lookups inline and on the lookup thread (tests/connector/conftest.py).
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.usefixtures("lookup")]
 
-
-@pytest.fixture(autouse=True, params=["sync", "async"], ids=["lookup-sync", "lookup-async"])
-def lookup(request, monkeypatch) -> str:
-    """Every scenario with lookups inline and on the lookup thread (the harness's engines default to it)."""
-    return lookup_modes(request, monkeypatch)
 
 BLOCK, CHUNK = 16, 64
 SCHEDULING = pytest.mark.parametrize("pipelined", [False, True], ids=["sched", "async-sched"])
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> str:
-    return f"file://{tmp_path / 'store'}"
 
 
 def make(tmp_path: Path, store: str, pipelined: bool = False, **kw: Any) -> Engine:

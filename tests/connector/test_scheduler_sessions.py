@@ -10,25 +10,15 @@ image's chunks is wrong KV, which every step checks (see
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
-from tests.support.scheduler_harness import Engine, loads_of, lookup_modes, prompt
+from tests.support.scheduler_harness import Engine, loads_of, prompt
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+#: Every scenario with lookups inline and on the lookup thread (tests/connector/conftest.py).
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.usefixtures("lookup")]
 
 IMAGE_AT, IMAGE_LEN = 16, 40  # in the second turn's tokens: chunks 3 and 4 of the session (chunk 32)
-
-
-@pytest.fixture(autouse=True, params=["sync", "async"], ids=["lookup-sync", "lookup-async"])
-def lookup(request, monkeypatch) -> str:
-    return lookup_modes(request, monkeypatch)
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> str:
-    return f"file://{tmp_path / 'store'}"
 
 
 def session(e: Engine, req_id: str, image: str, max_tokens: int = 1) -> None:

@@ -22,11 +22,6 @@ from tests.support.scheduler_harness import Engine, loaded_tokens, loads_of, pro
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> str:
-    return f"file://{tmp_path / 'store'}"
-
-
 def make(tmp_path: Path, store: str, **kw: Any) -> Engine:
     return Engine(tmp_path, store, tp=2, **kw)
 

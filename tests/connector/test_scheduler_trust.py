@@ -16,24 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.scheduler_harness import Engine, loaded_tokens, lookup_modes, prompt
+from tests.support.scheduler_harness import Engine, loaded_tokens, prompt
 from vllm_kvcodec.block_refs import Ref, encode_ref, ref_key
 from vllm_kvcodec.format import decode_payload, encode_chunk, read_header
 from vllm_kvcodec.keys import chunk_hashes, object_key, tail_hash
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+#: Every scenario with lookups inline and on the lookup thread (tests/connector/conftest.py).
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.usefixtures("lookup")]
 
 P, Q = prompt(100, 1), prompt(100, 2)  # chunks of 32, blocks of 16: 3 full chunks each
-
-
-@pytest.fixture(autouse=True, params=["sync", "async"], ids=["lookup-sync", "lookup-async"])
-def lookup(request, monkeypatch) -> str:
-    return lookup_modes(request, monkeypatch)
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> str:
-    return f"file://{tmp_path / 'store'}"
 
 
 def stored(tmp_path: Path, store: str) -> Engine:
