@@ -7,27 +7,15 @@ import struct
 import hypothesis.strategies as st
 import pytest
 import torch
-import xxhash
 from hypothesis import given, settings
 
-from tests.support.adversarial import bits_view
+from tests.support.adversarial import bits_view, reseal
 from vllm_kvcodec.codecs.policy import DEFAULT_CODEC
 from vllm_kvcodec import format as fmt
 from vllm_kvcodec.errors import ChunkFormatError, UnsupportedDTypeError
 from vllm_kvcodec.format import decode_chunk, encode_chunk, read_header
 
 CODECS = ["raw", "zstd", "splitzip", "rans"]
-
-
-@pytest.fixture(scope="module")
-def small_kv(real_chunks) -> torch.Tensor:
-    return real_chunks[0][:4, :, :32].contiguous()
-
-
-def reseal(body: bytes | bytearray) -> bytes:
-    """Recompute the trailer, so a test reaches the validation behind the checksum."""
-    body = bytes(body[:-8])
-    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
 
 def test_header_describes_the_chunk(small_kv) -> None:

@@ -15,22 +15,12 @@ import pytest
 import torch
 import xxhash
 
-from tests.support.adversarial import bits_view
+from tests.support.adversarial import bits_view, reseal
 from vllm_kvcodec import format as fmt
 from vllm_kvcodec.errors import ChunkFormatError
 from vllm_kvcodec.format import ValueDigest, build_chunk, decode_chunk, encode_chunk, read_header
 
 CODECS = ["raw", "zstd", "splitzip", "rans"]
-
-
-@pytest.fixture(scope="module")
-def small_kv(real_chunks) -> torch.Tensor:
-    return real_chunks[0][:4, :, :32].contiguous()
-
-
-def reseal(body: bytes | bytearray) -> bytes:
-    body = bytes(body[:-8])
-    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
 
 @pytest.mark.parametrize("codec", CODECS)
