@@ -218,7 +218,8 @@ def _one_config(name: str, spec: ReplaySpec, model: str, trace_path: Path, n: in
     ledger = _ledger(workers, spec)
     return {"config": name, "what": what, "connector": connector, "policy": policy, "near_tier": near,
             "store_url": url if connector else None, **figures, **_sources(scraped, near), "per_request": ledger,
-            "workers_killed": [w.index for w in workers if w.killed], "local_tokens": _local_tokens(workers),
+            "workers_killed": [w.index for w in workers if w.killed],
+            "local_tokens": _local_tokens(scraped, workers, spec.block_size),
             "relayed_events": list(relay.forwarded) if relay else None, **stored}
 
 
@@ -424,8 +425,13 @@ def _ledger(workers: list[_Worker], spec: ReplaySpec) -> list[dict[str, Any]]:
     return sorted(out, key=lambda r: r["index"])
 
 
-def _local_tokens(workers: list[_Worker]) -> int | None:
-    """Each worker's KV cache in tokens, from its log (vLLM's 'GPU KV cache size: N tokens')."""
+def _local_tokens(scraped: list[dict[str, Any]], workers: list[_Worker], block_size: int) -> int | None:
+    """Each worker's KV cache in tokens: its blocks as its metrics report them (``vllm:cache_config_info``), or its
+    log's 'KV cache size: N tokens' line. Not the log first: a worker started with ``VLLM_LOGGING_LEVEL=WARNING``
+    (an environment the test harness sets, for one) never writes that line."""
+    blocks = [x.get("gpu_blocks") for x in scraped]
+    if blocks and all(blocks):
+        return min(blocks) * block_size
     for w in workers:
         m = re.search(r"KV cache size: ([\d,]+) tokens", w.server.log())
         if m:
