@@ -405,7 +405,9 @@ CHUNK_BYTES = 256 * 512  # a 256-token chunk of the harness's two bf16 layers (2
 @SCHEDULING
 def test_saves_dropped_for_room_are_planned_again_once_the_queue_drains(tmp_path, pipelined) -> None:
     """16 chunks complete in one step under a cap of 8: 8 are dropped before gathering, each waits for a report
-    with room (a put takes 42 ms, many steps), then lands. Retried every step, they spent their attempts first."""
+    with room (a put takes 42 ms, many steps), then lands. Retried every step, they spent their attempts first;
+    a drop for want of room spends none at all: with async scheduling a report's room is a step stale, and saves
+    planned from it that found the queue full again used to spend all three and be given up."""
     from storage import open_store
 
     url = f"file://{tmp_path / 'store'}"
@@ -416,6 +418,7 @@ def test_saves_dropped_for_room_are_planned_again_once_the_queue_drains(tmp_path
     e.add("r", p, max_tokens=3000)  # decodes on while the queue drains
     with open_store(url) as s:
         e.run(max_steps=3000, until=lambda e: all(s.exists_many(keys)))
+    assert max(e.connector.scheduler._requests["r"].save_attempts.values()) == 1  # each landed on its one attempt
     e.abort("r")
     e.run()
     assert e.stats()["saves_dropped"] >= 8

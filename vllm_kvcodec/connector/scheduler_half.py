@@ -705,6 +705,10 @@ class SchedulerHalf:
         else:
             return
         if needs_room:
+            # Not a failed save: its attempt is given back. Under async scheduling the room a report brings was
+            # taken a step before the saves already planned for the next step, so a save planned from it can find
+            # the queue full again; spending attempts on that gave chunks up for good (seen: 3 of 3 spent).
+            tracked.save_attempts[chunk] = max(0, tracked.save_attempts[chunk] - 1)
             tracked.awaiting_room[chunk] = max(needs_room, tracked.awaiting_room.get(chunk, 0))
             self._awaiting_room.setdefault(tracked.request.request_id)
         else:
