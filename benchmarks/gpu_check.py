@@ -700,9 +700,9 @@ def sec_nvcodec(d: dict) -> None:
         verify = True
     except ImportError:
         verify = False
-    from vllm_kvcodec.gpu.nvdec_sessions import NvdecSessions, SessionPool
+    from vllm_kvcodec.gpu.nvdec_sessions import NvdecSession, SessionPool
 
-    session = SessionPool(lambda: NvdecSessions()(DEVICE), 1)  # decoders reused: throughput is in nvdec_decode
+    session = SessionPool(lambda: NvdecSession(DEVICE), 1)  # decoders reused: throughput is in nvdec_decode
     got = device_chunks.decode_video_payload_nvdec(payload, shape, DEVICE, verify_hash=verify, session=session)
     again = device_chunks.decode_video_payload_nvdec(payload, shape, DEVICE, verify_hash=verify, session=session)
     parsed = device_chunks.parse_video_payload(payload, shape)

@@ -205,9 +205,8 @@ class ExponentHashCheck(ValueCheck):
 def value_check(header: ChunkHeader, video: VideoPayload | None = None) -> ValueCheck | None:
     """The check for values decoded on the device from this chunk: its value digest, else (``video``) the
     payload's exponent hash, else None (a SplitZip chunk without one: the trailer and the device flags suffice)."""
-    nbytes = int(np.prod(header.shape, dtype=np.int64)) * header.dtype.itemsize
     if header.value_digest is not None:
-        return SegmentedDigestCheck(header.value_digest, nbytes)
+        return SegmentedDigestCheck(header.value_digest, header.raw_nbytes)
     if video is not None:
         return ExponentHashCheck(video.exp_hash, video.geometry.n)
     return None

@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-from collections.abc import Sequence
-
 import hashlib
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

@@ -194,9 +194,9 @@ def cuda_decode_paths(device: torch.device, decode_threads: int) -> dict[str, De
     paths = {"splitzip": DecodePath(on_device, 1, f"{device} (Triton)")}
     ok, _ = nvcodec.nvdec_available()
     if ok:
-        from vllm_kvcodec.gpu.nvdec_sessions import NvdecSessions, SessionPool, nvdec_engines
+        from vllm_kvcodec.gpu.nvdec_sessions import NvdecSession, SessionPool, nvdec_engines
 
-        sessions = SessionPool(lambda: NvdecSessions()(device), 1)  # one decoder per picture size, reused
+        sessions = SessionPool(lambda: NvdecSession(device), 1)  # one decoder per picture size, reused
 
         def nvdec(blob: bytes) -> None:
             decode_video_chunk_nvdec(blob, device, session=sessions)

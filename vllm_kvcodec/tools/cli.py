@@ -153,16 +153,11 @@ def _simulate_trace(path: Path, json_out: Optional[Path], workers: int, first: O
                     s_per_token: Optional[float], s_per_token2: Optional[float], link_gbps: float,
                     decode_threads: int, overlap: bool, time_scale: float, per_request: bool, curves: bool) -> None:
     from vllm_kvcodec.tools.bench import trace_study
-    from vllm_kvcodec.tools.bench.trace_file import read_trace
+    from vllm_kvcodec.tools.bench.trace_file import read_trace, select
     from vllm_kvcodec.tools.bench.trace_model import CostModel, measured_codecs, model_spec
     from vllm_kvcodec.tools.bench.trace_sim import FleetSpec
 
-    requests = [r for r in read_trace(path) if r.timestamp_ms >= start_s * 1000]
-    if window_s is not None:
-        requests = [r for r in requests if r.timestamp_ms < (start_s + window_s) * 1000]
-    requests = requests[:first] if first else requests
-    if not requests:
-        raise ValueError(f"{path}: no request in the window asked for")
+    requests = select(read_trace(path), path, start_s, window_s, first or None)
     if curves:
         trace_study.curves(requests, json_out or RESULTS / "trace-curves.json", workers=workers)
         return

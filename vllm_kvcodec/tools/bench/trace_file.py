@@ -115,6 +115,20 @@ def write_trace(requests: Iterable[TraceRequest], path: Path, max_output: int | 
     return path
 
 
+def select(requests: list[TraceRequest], path: Path | str, start_s: float = 0.0, window_s: float | None = None,
+           first: int | None = None) -> list[TraceRequest]:
+    """The requests arriving from ``start_s`` on, within ``window_s`` of it, the first ``first`` of them."""
+    start_ms = start_s * 1000.0
+    out = [r for r in requests if r.timestamp_ms >= start_ms]
+    if window_s is not None:
+        out = [r for r in out if r.timestamp_ms < start_ms + window_s * 1000.0]
+    if first is not None:
+        out = out[:first]
+    if not out:
+        raise TraceError(f"{path}: no request in the window asked for")
+    return out
+
+
 def pieces(request: TraceRequest, tokens_per_id: int) -> list[tuple[int, int]]:
     """``(id, size)`` per piece of the prompt vLLM's client makes (see the module docstring)."""
     out, left = [], request.input_length

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from vllm_kvcodec.tools.bench.report import console, machine, wide_table, write_json
-from vllm_kvcodec.tools.bench.trace_file import TRACE_TOKENS_PER_ID, TraceRequest, prompt_length
+from vllm_kvcodec.tools.bench.trace_file import TRACE_TOKENS_PER_ID, TraceRequest, pieces, prompt_length
 from vllm_kvcodec.tools.bench.trace_model import CostModel, break_even_gbps, measured_codecs, model_spec
 from vllm_kvcodec.tools.bench.trace_sim import FleetSpec, simulate
 
@@ -60,12 +60,9 @@ def unique_raw_bytes(requests: list[TraceRequest], kv_bytes_per_token: int) -> i
     seen: dict[int, int] = {}
     for r in requests:
         key = 0
-        left = r.input_length
-        for h in r.hash_ids:
+        for h, size in pieces(r, TRACE_TOKENS_PER_ID):
             key = hash((key, h))
-            size = min(TRACE_TOKENS_PER_ID, left)
             seen[key] = max(seen.get(key, 0), size)
-            left -= size
     return sum(seen.values()) * kv_bytes_per_token
 
 
