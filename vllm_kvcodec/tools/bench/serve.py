@@ -26,12 +26,9 @@ against ``none`` are printed and written as JSON.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -201,13 +198,16 @@ def _server_env() -> dict[str, str]:
 
 
 def _one_run(kind: str, model: str, url: str, connector: dict[str, Any], client: list[str], work: Path) -> dict[str, Any]:
+    from vllm_kvcodec.tools.bench.client_process import started_client
     from vllm_kvcodec.tools.server_process import running
 
     work.mkdir(parents=True, exist_ok=True)
     argv = _server_argv(kind, model, url, connector)
-    with running(argv, work / "server.log", _server_env(), start_timeout=600) as server:
+    # the client imports vLLM while the server starts (client_process.py); it runs once the server answers
+    with started_client(work, _server_env()) as waiting, \
+            running(argv, work / "server.log", _server_env(), start_timeout=600) as server:
         cpu0 = _tree_cpu_s(server.proc.pid)
-        figures = _client(server.url, client, work)
+        figures = _figures(waiting.result(server.url, client))
         cpu = _tree_cpu_s(server.proc.pid) - cpu0
         counters = _counters(server.metrics()) if kind != "none" else {}
         server.terminate(120)  # SIGTERM: kvcodec serve's shutdown bound lets queued saves land
@@ -218,29 +218,11 @@ def _one_run(kind: str, model: str, url: str, connector: dict[str, Any], client:
     return figures
 
 
-def _client(base_url: str, client: list[str], work: Path) -> dict[str, Any]:
-    """One ``vllm bench serve`` run; vLLM's own result JSON, trimmed to the figures compared here."""
-    raw = client_result(base_url, client, work)
+def _figures(raw: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's own result JSON, trimmed to the figures compared here."""
     keep = ("completed", "failed", "duration", "request_throughput", "output_throughput", "mean_ttft_ms",
             "median_ttft_ms", "p99_ttft_ms", "mean_e2el_ms", "p99_e2el_ms")
     return {k: raw.get(k) for k in keep}
-
-
-def client_result(base_url: str, client: list[str], work: Path, env: dict[str, str] | None = None,
-                  timeout: float | None = None) -> dict[str, Any]:
-    """One ``vllm bench serve`` run against ``base_url``: vLLM's whole result JSON (its log in ``work``)."""
-    argv = [sys.executable, "-m", "vllm_kvcodec.tools.vllm_cli", *client, "--base-url", base_url,
-            "--save-result", "--result-dir", str(work), "--result-filename", "client.json"]
-    with open(work / "client.log", "wb") as log:
-        try:
-            rc = subprocess.run(argv, env=env or _server_env(), stdout=log, stderr=subprocess.STDOUT, check=False,
-                                timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"vllm bench serve did not finish within {timeout:.0f} s "
-                               f"(see {work / 'client.log'})") from None
-    if rc != 0:
-        raise RuntimeError(f"vllm bench serve exited with {rc}:\n{(work / 'client.log').read_text()[-3000:]}")
-    return json.loads((work / "client.json").read_text())
 
 
 def _tree_cpu_s(pid: int) -> float:

@@ -181,6 +181,7 @@ def _spec_json(spec: ReplaySpec) -> dict[str, Any]:
 def _one_config(name: str, spec: ReplaySpec, model: str, trace_path: Path, n: int, longest: int,
                 work: Path) -> dict[str, Any]:
     from storage.testing.redis_server import start_redis_server
+    from vllm_kvcodec.tools.bench.client_process import started_client
 
     what, connector, policy, near = CONFIGS[name]
     shutil.rmtree(work, ignore_errors=True)  # a kept folder from an earlier run: its ledgers would be appended to
@@ -189,6 +190,7 @@ def _one_config(name: str, spec: ReplaySpec, model: str, trace_path: Path, n: in
         far_url = redis.url
         url = _store_url(far_url, spec, near)
         max_len = -(-(longest + spec.max_output + 1) // spec.block_size) * spec.block_size
+        client = stack.enter_context(started_client(work, _env(spec)))  # imports vLLM while the workers start
         workers = _start_workers(stack, spec, model, url if connector else None, max_len, work)
         sources, relay = [w.events for w in workers], None
         if policy == "kv_aware":
@@ -199,8 +201,7 @@ def _one_config(name: str, spec: ReplaySpec, model: str, trace_path: Path, n: in
         router = stack.enter_context(_router(spec, model, workers, sources, policy, work))
         killed = _killer(workers[-1], spec.kill_worker_after_s)
         try:
-            raw = serve.client_result(router.url, _client_args(spec, model, trace_path, n), work,
-                                      env=_env(spec), timeout=spec.client_timeout_s)
+            raw = client.result(router.url, _client_args(spec, model, trace_path, n), spec.client_timeout_s)
         finally:
             if killed is not None:
                 killed.cancel()
