@@ -17,7 +17,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from vllm_kvcodec.tools.vllm_cli import ARGV_ON_STDIN
 
@@ -28,9 +28,9 @@ class Client:
 
     def __init__(self, work: Path, env: dict[str, str]) -> None:
         self.work = work
-        self._log: IO[bytes] = open(work / "client.log", "wb")  # closed by close()
-        self.proc = subprocess.Popen([sys.executable, "-m", "vllm_kvcodec.tools.vllm_cli", ARGV_ON_STDIN],
-                                     stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        with open(work / "client.log", "wb") as log:  # the process holds its own copy of the descriptor
+            self.proc = subprocess.Popen([sys.executable, "-m", "vllm_kvcodec.tools.vllm_cli", ARGV_ON_STDIN],
+                                         stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def result(self, base_url: str, client: list[str], timeout: float | None = None) -> dict[str, Any]:
         """Run ``client`` against ``base_url``; vLLM's whole result JSON."""
@@ -46,12 +46,9 @@ class Client:
             raise RuntimeError(f"vllm bench serve did not finish within {timeout:.0f} s "
                                f"(see {self.work / 'client.log'})") from None
         if rc != 0:
-            raise RuntimeError(f"vllm bench serve exited with {rc}:\n{self.log()[-3000:]}")
+            log = (self.work / "client.log").read_text(errors="replace")
+            raise RuntimeError(f"vllm bench serve exited with {rc}:\n{log[-3000:]}")
         return json.loads((self.work / "client.json").read_text())
-
-    def log(self) -> str:
-        self._log.flush()
-        return (self.work / "client.log").read_text(errors="replace")
 
     def close(self) -> None:
         """Stop it if it still runs (never told to, or past its timeout)."""
@@ -61,7 +58,6 @@ class Client:
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             with contextlib.suppress(BrokenPipeError):
                 self.proc.stdin.close()
-        self._log.close()
 
 
 @contextlib.contextmanager

@@ -202,10 +202,9 @@ def _one_run(kind: str, model: str, url: str, connector: dict[str, Any], client:
     from vllm_kvcodec.tools.server_process import running
 
     work.mkdir(parents=True, exist_ok=True)
-    argv = _server_argv(kind, model, url, connector)
+    argv, env = _server_argv(kind, model, url, connector), _server_env()
     # the client imports vLLM while the server starts (client_process.py); it runs once the server answers
-    with started_client(work, _server_env()) as waiting, \
-            running(argv, work / "server.log", _server_env(), start_timeout=600) as server:
+    with started_client(work, env) as waiting, running(argv, work / "server.log", env, start_timeout=600) as server:
         cpu0 = _tree_cpu_s(server.proc.pid)
         figures = _figures(waiting.result(server.url, client))
         cpu = _tree_cpu_s(server.proc.pid) - cpu0
