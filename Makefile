@@ -1,4 +1,6 @@
 # The two commands a fresh machine needs: `make demo` and `make test`.
+# bash: the test recipe times each half with its `time` keyword (dash has none).
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -69,15 +71,18 @@ demo: install
 # (tests/support/engine_pool.py): two engines on a small host slow each other down many times. Both halves always
 # run; make fails if either did. Engines get 1 GiB of KV cache (tests/support/engine.py's size; no test needs more):
 # zeroing it is part of every engine start.
+# Each half ends with its wall time and the CPU it used: CPU over the cores is the least wall time any schedule of
+# that half could take on this host.
 TEST_WORKERS ?= auto
 PYTEST := $(PY) -m pytest -q -rs --durations=25
 
 test: install redis-server libibverbs
 	@status=0; \
+	TIMEFORMAT="== %0R s wall, %0U s user + %0S s system CPU (pytest and every process it waited for), $$(nproc) cores"; \
 	echo "== tests without a vLLM engine, in parallel ($(TEST_WORKERS) workers)"; \
-	$(PYTEST) -n $(TEST_WORKERS) -m "not engine" || status=$$?; \
+	time { $(PYTEST) -n $(TEST_WORKERS) -m "not engine" || status=$$?; }; \
 	echo "== engine tests, one at a time"; \
-	VLLM_CPU_KVCACHE_SPACE=1 $(PYTEST) -p no:xdist -m engine || status=$$((status ? status : $$?)); \
+	time { VLLM_CPU_KVCACHE_SPACE=1 $(PYTEST) -p no:xdist -m engine || status=$$((status ? status : $$?)); }; \
 	exit $$status
 
 $(STAMP_LATEST): pyproject.toml
