@@ -6,14 +6,19 @@ chunks must be in the store afterwards (their saves were still queued when
 the signal came). The second is a plain ``vllm serve`` (vLLM's own CLI) that
 names the connector only by ``"kv_connector": "KVCodecConnector"``, found
 through the package's ``vllm.general_plugins`` entry point; the same request
-loads the prefix, and its /metrics and log show what it did.
+loads the prefix, and its /metrics and log show what it did. The second starts while
+the first works (each start is mostly one core's imports of vLLM); it is sent
+nothing until the first has stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,43 +43,52 @@ def model() -> str:
 
 
 @pytest.fixture(scope="module")
-def first_server(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """``kvcodec serve``, one request, SIGTERM at once: the store, the log and how long the stop took."""
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """``kvcodec serve``, one request, SIGTERM at once: its store, log and stop time; and the plain ``vllm serve``
+    on the same store, started meanwhile and sent nothing yet."""
     tmp = tmp_path_factory.mktemp("serve")
     store = f"file://{tmp / 'store'}"
-    argv = ["-m", "vllm_kvcodec.tools.cli", "serve", model(), "--store", store, *ENGINE_ARGS]
-    with running(argv, tmp / "first.log", server_env()) as server:
-        server.complete(PROMPT)
-        stop_s = server.terminate()
-        return {"store": store, "log": server.log(), "stop_s": stop_s, "tmp": tmp}
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(1) as pool:
+        plain = pool.submit(stack.enter_context, plain_server(store, tmp))
+        argv = ["-m", "vllm_kvcodec.tools.cli", "serve", model(), "--store", store, *ENGINE_ARGS]
+        with running(argv, tmp / "first.log", server_env()) as server:
+            server.complete(PROMPT)
+            stop_s = server.terminate()
+            first = {"store": store, "log": server.log(), "stop_s": stop_s}
+        yield {"first": first, "plain": plain}  # its start's future: a failed start fails only the test using it
 
 
-def test_sigterm_right_after_a_request_keeps_the_chunks_it_saved(first_server: dict[str, Any]) -> None:
-    from storage import open_store
-    from vllm_kvcodec.tools.store_tools import inspect_store
-
-    log = first_server["log"]
-    assert "'shutdown_timeout': 20" in log  # set by kvcodec serve, or vLLM would kill the engine at once
-    assert re.search(r"kvcodec: shutdown: stored the \d+ queued chunk save\(s\)", log), log[-3000:]
-    with open_store(first_server["store"], read_only=True) as store:
-        summary = inspect_store(store)
-    assert len(summary.chunks) == FULL_CHUNKS and summary.objects == FULL_CHUNKS * GROUPS and not summary.damaged
-    assert first_server["stop_s"] < 20
-
-
-def test_plain_vllm_serve_finds_the_connector_by_name_and_exports_its_metrics(first_server: dict[str, Any]) -> None:
-    tmp: Path = first_server["tmp"]
-    transfer = {"kv_connector": "KVCodecConnector", "kv_role": "kv_both",  # no kv_connector_module_path
-                "kv_connector_extra_config": {"store": first_server["store"], "log_interval_s": 1}}
+def plain_server(store: str, tmp: Path) -> contextlib.AbstractContextManager[Server]:
+    """vLLM's own CLI, naming the connector only by ``"kv_connector": "KVCodecConnector"`` (no module path)."""
+    transfer = {"kv_connector": "KVCodecConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"store": store, "log_interval_s": 1}}
     argv = ["-m", "vllm_kvcodec.tools.vllm_cli", "serve", model(), "--kv-transfer-config", json.dumps(transfer),
             *ENGINE_ARGS]
     env = server_env(PYTHONPATH=f"{entry_points_dir(tmp / 'plugin')}:{server_env()['PYTHONPATH']}")
-    with running(argv, tmp / "second.log", env) as server:
-        server.complete(PROMPT)
-        time.sleep(1.5)  # past log_interval_s: the next steps log their totals
-        server.complete(OTHER)  # so both sides step (and log their totals) again
-        metrics = server.metrics()
-        log = server.log()
+    return running(argv, tmp / "second.log", env)
+
+
+def test_sigterm_right_after_a_request_keeps_the_chunks_it_saved(servers: dict[str, Any]) -> None:
+    from storage import open_store
+    from vllm_kvcodec.tools.store_tools import inspect_store
+
+    first = servers["first"]
+    log = first["log"]
+    assert "'shutdown_timeout': 20" in log  # set by kvcodec serve, or vLLM would kill the engine at once
+    assert re.search(r"kvcodec: shutdown: stored the \d+ queued chunk save\(s\)", log), log[-3000:]
+    with open_store(first["store"], read_only=True) as store:
+        summary = inspect_store(store)
+    assert len(summary.chunks) == FULL_CHUNKS and summary.objects == FULL_CHUNKS * GROUPS and not summary.damaged
+    assert first["stop_s"] < 20
+
+
+def test_plain_vllm_serve_finds_the_connector_by_name_and_exports_its_metrics(servers: dict[str, Any]) -> None:
+    server: Server = servers["plain"].result()
+    server.complete(PROMPT)
+    time.sleep(1.5)  # past log_interval_s: the next steps log their totals
+    server.complete(OTHER)  # so both sides step (and log their totals) again
+    metrics = server.metrics()
+    log = server.log()
     answered = metrics.get(("http_request_size_bytes_count", frozenset({("handler", "/v1/completions")})))
     assert answered == 2, f"the server answered {answered} completions, not this test's 2 (metrics of other servers?)"
     check_metrics(metrics)
