@@ -68,4 +68,3 @@ def started_client(work: Path, env: dict[str, str]) -> Iterator[Client]:
         yield client
     finally:
         client.close()
-
