@@ -187,10 +187,16 @@ def test_budget_ends_a_running_section_and_writes_the_report(report: dict, check
     """A run past ``--budget-s`` is ended by the watchdog: the running section says so, the later ones are listed.
 
     The budget is half of what the full dry run took on this host (a fixed one outlived the whole run on a fast
-    host): the watchdog fires mid-run however fast the host is, within a factor of two between the two runs."""
-    budget = max(1.0, round(report["elapsed_s"] / 2, 1))
+    host). The full run may have been slowed by a neighbour (another xdist worker's heavy test) and this one not:
+    a run that ends inside its budget (exit 0, nothing to check) is tried again at half of it, at most three times,
+    so the watchdog fires mid-run however the load changes between the runs."""
     out = tmp_path / "gpu_check.json"
-    proc = _run_check(device_env, check_data, out, "--budget-s", str(budget), timeout=120)
+    budget = report["elapsed_s"]
+    for _ in range(3):
+        budget = max(1.0, round(budget / 2, 1))
+        proc = _run_check(device_env, check_data, out, "--budget-s", str(budget), timeout=120)
+        if proc.returncode != 0:
+            break
     assert proc.returncode == 3, f"budget {budget} s\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["ended_by"].startswith(f"time budget of {budget:.0f} s")
