@@ -43,3 +43,6 @@ class SaveOutcome:
     #: > 0: dropped because the save queue had no room for this many bytes. Planning it again only helps once
     #: the queue has drained that much, which takes a put (tens of ms or more), not a step (a few ms).
     needs_room: int = 0
+    #: Dropped because a load it was computed after failed, here or on another worker: the scheduler half settled
+    #: it with that load (released its claim, planned it again) and takes no further notice of this report.
+    load_failed: bool = False

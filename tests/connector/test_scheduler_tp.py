@@ -134,3 +134,93 @@ def test_a_rank_failing_a_step_after_the_other_finished_counts_once_and_keeps_sa
     assert len(loads_of(e, ["r"])) == 1
     e.assert_empty()
     assert reload(make(tmp_path, store), p[:290]) == 288, "both ranks saved the recomputed chunks again"
+
+
+# ---- a save never rests on another rank's failed load (issue #51, item 1) ------------------------------------
+def loadable(engine: Engine, tokens: list[int], chunk: int, tail: int = 0) -> bool:
+    """Whether a lookup would find chunk ``chunk`` of ``tokens`` (or, ``tail``, the tail of that many tokens after
+    it): every object of it, every rank's (one for a replicated cache), is stored."""
+    from vllm_kvcodec.keys import chunk_hashes, chunk_object_keys, tail_hash
+
+    ns = engine.connector.scheduler.namespace
+    hashes = chunk_hashes(ns, tokens, chunk + (0 if tail else 1))
+    h = tail_hash(ns, tokens, hashes, tail) if tail else hashes[chunk]
+    keys = chunk_object_keys(ns, h, engine.tp, len(ns.layer_groups()))
+    return all(engine.connector.scheduler.store.exists_many(keys))
+
+
+@pytest.mark.parametrize("replicated", [True, False], ids=["replicated", "split"])
+def test_no_save_of_a_step_in_which_another_ranks_load_failed_becomes_loadable(tmp_path, store, replicated) -> None:
+    """Rank 1's sync load fails, rank 0's lands; the step computes chunks 2 and 3 and the prompt's tail over the
+    blocks rank 1 never got, so every rank's KV of them is wrong (their outputs are all-reduced).
+
+    Before: rank 0, judging by its own load only, saved them. A replicated cache (MLA's latent: rank 0 writes the
+    one object) was then complete and wrong, its claim kept the recompute from saving it again, and a fresh engine
+    loaded wrong KV. A split cache's chunk 2 was made whole by rank 1's older shard of it. Now every rank holds
+    such saves until the scheduler half has every rank's outcome of the load: the failure drops them, unwritten.
+    """
+    from storage.testing.faults import FaultInjector
+
+    p = prompt(150)
+    e = make(tmp_path, store, replicated=replicated)
+    e.add("producer", p[:100], max_tokens=1)  # chunks 0-2
+    e.run()
+    e.flush()
+    ns = e.connector.scheduler.namespace
+    from vllm_kvcodec.keys import chunk_hashes, object_key
+
+    chunk_2 = chunk_hashes(ns, p, 3)[2]
+    for g in range(len(ns.layer_groups())):
+        e.connector.scheduler.store.delete(object_key(ns, chunk_2, 0, g))
+    assert loadable(e, p, 1) and not loadable(e, p, 2), "rank 0's chunk 2 is gone (rank 1's, if split, is not)"
+    e.shutdown()
+
+    fetcher: dict[str, Any] = {}
+
+    def fail_rank_1(engine: Engine, out: Any) -> None:
+        fetch = engine.ranks[1].connector.worker.fetcher
+        if "store" in fetcher:
+            fetch.store = fetcher.pop("store")  # its later loads (none: a sync failure is recomputed) read again
+        elif any(spec.req_id == "r" for spec in out.kv_connector_metadata.loads):
+            fetcher["store"] = fetch.store
+            fetch.store = FaultInjector(fetch.store, drop=1.0)  # every object missing, for rank 1 only
+
+    f = make(tmp_path, store, replicated=replicated, hooks={"before_forward": fail_rank_1})
+    f.add("r", p, max_tokens=2)
+    failed = f.step()
+    assert loads_of(f, ["r"]) and failed.rank_reports[1].loads["r"].failed and not failed.rank_reports[0].loads["r"].failed
+    over_failed = {s.chunk_hash for s in failed.saves if s.req_id == "r"}
+    assert len(over_failed) == 3, "chunks 2, 3 and the prompt's tail were computed in the failed step"
+    f.flush()  # whatever the ranks handed to their savers is stored now
+    for what in ((2, 0), (3, 0), (4, 16)):
+        assert not loadable(f, p, *what), f"{what}: an object computed over rank 1's failed load is loadable"
+
+    f.run()
+    f.flush()
+    assert f.stats(0)["saves_dropped_after_load_failure_elsewhere"] == 3
+    assert f.scheduler_stats().get("saves_deduplicated", 0) == 0, "the recompute saved them itself"
+    f.assert_empty()
+    for what in ((2, 0), (3, 0), (4, 16)):
+        assert loadable(f, p, *what), f"{what}: the recompute saved it"
+    assert reload(make(tmp_path, store, replicated=replicated), p) == 144, "every rank reads exactly the right KV"
+
+
+def test_saves_after_a_load_wait_for_every_ranks_outcome_then_land(tmp_path, store) -> None:
+    """The load lands on both ranks: the step's saves are held until the scheduler half has both outcomes (the
+    next step's plan), then stored; until then they are not in the store (a lookup misses them)."""
+    p = prompt(150)
+    stored(tmp_path, store, p[:70])
+    e = make(tmp_path, store)
+    e.add("r", p, max_tokens=3)
+    first = e.step()
+    assert loads_of(e, ["r"]) and {s.req_id for s in first.saves} == {"r"}
+    e.flush()
+    assert not loadable(e, p, 2), "held for rank 1's outcome, not written"
+    assert all(e.stats(rank)["saves_held_for_load_outcome"] == 3 for rank in (0, 1))
+    e.step()  # its plan carries the load's outcome on every rank: the held saves go to the savers
+    e.flush()
+    assert loadable(e, p, 2) and loadable(e, p, 3) and loadable(e, p, 4, 16)
+    e.run()
+    e.flush()
+    e.assert_empty()
+    assert reload(make(tmp_path, store), p) == 144

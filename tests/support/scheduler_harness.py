@@ -62,7 +62,9 @@ fake model's heads split as vLLM splits them); every step runs each rank's
 worker calls and hands vLLM's scheduler what vLLM's own ``KVOutputAggregator``
 makes of their outputs (its ``finished_recving`` counting, the reports
 merged). A rank that read wrong KV makes every rank's next layers wrong (their
-outputs are all-reduced), as on a real engine.
+outputs are all-reduced), as on a real engine. With ``replicated`` the cache is
+keyed as MLA's latent is under tensor parallelism: every rank holds the same
+heads, rank 0 alone saves the one object of each layer group, every rank loads it.
 """
 
 from __future__ import annotations
@@ -215,7 +217,7 @@ class Engine:
         max_batched: int = 256, max_seqs: int = 8, policy: str | None = None, async_scheduling: bool = False,
         hooks: dict[str, Callable[..., None]] | None = None, windows: list[int | None] | None = None,
         cache_dtype: str | None = None, settle_lookups: bool = True, kv_role: str = "kv_both", tp: int = 1,
-        **extra: Any,
+        replicated: bool = False, **extra: Any,
     ) -> None:
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                                  SchedulerConfig, VllmConfig, set_current_vllm_config)
@@ -272,9 +274,11 @@ class Engine:
         self._op_writes = vllm_write_op_available() and (
             self.kv_dtype == torch.bfloat16 or (block_size % 32 == 0 and _op_writes_fp8()))
         cls = AsyncScheduler if async_scheduling else Scheduler
-        self.scheduler = cls(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
-                             structured_output_manager=StructuredOutputManager(self.vllm_config),
-                             block_size=block_size, log_stats=True)
+        self.replicated = replicated
+        with self._replication():
+            self.scheduler = cls(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+                                 structured_output_manager=StructuredOutputManager(self.vllm_config),
+                                 block_size=block_size, log_stats=True)
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(block_size, hash_fn)
@@ -335,13 +339,23 @@ class Engine:
 
         from vllm_kvcodec.connector import KVCodecConnector
 
-        with set_current_vllm_config(self.vllm_config), \
+        with set_current_vllm_config(self.vllm_config), self._replication(), \
                 unittest.mock.patch("vllm_kvcodec.connector.facade._tp_rank", return_value=index):
             connector = KVCodecConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
         caches = self._allocate_caches()
         self._register(connector, caches)
-        heads = slice(index * self.heads, (index + 1) * self.heads)
+        first = 0 if self.replicated else index * self.heads  # a replicated cache: every rank holds the same heads
+        heads = slice(first, first + self.heads)
         return Rank(index, connector, caches, dict(zip(self.names, connector.worker.layouts)), heads)
+
+    def _replication(self) -> contextlib.AbstractContextManager[Any]:
+        """``replicated``: the connector keys a replicated cache, as for MLA's latent at TP > 1 (rank 0 saves the one
+        object of each layer group, every rank loads it), over the fake model's heads, which every rank holds alike."""
+        import unittest.mock
+
+        if not self.replicated:
+            return contextlib.nullcontext()
+        return unittest.mock.patch("vllm_kvcodec.connector.facade._replicated", return_value=True)
 
     def _register(self, connector: Any, caches: dict[str, torch.Tensor]) -> None:
         """``register_kv_caches``; without an fp8 kernel here, with the layouts' op check skipped (see the module doc)."""
@@ -746,6 +760,7 @@ class Engine:
             worker = rank.connector.worker
             assert not worker._async_jobs and worker._sync_job is None
             assert worker.save_gather._step is None and not worker._load_failures, f"rank {rank.index} state left"
+            assert not worker.saver.held, f"rank {rank.index} holds saves whose loads never settled"
 
     def cached_block_ids(self) -> set[int]:
         """Blocks vLLM's prefix cache would hand out as a local hit."""

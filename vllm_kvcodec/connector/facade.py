@@ -95,7 +95,7 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             first_group, stage_groups = namespace.stage_groups(_pp_rank())
             self.worker = WorkerHalf(vllm_config, self.config, namespace, stage_groups, _tp_rank(), cache_groups,
-                                     first_group=first_group)
+                                     first_group=first_group, loaders=loading_workers(vllm_config))
         self.created = next(_CREATED)
         self._last_log = time.monotonic()
         self._outages_reported = 0

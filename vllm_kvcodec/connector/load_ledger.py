@@ -73,6 +73,17 @@ class InflightLoad:
     writes: list[set[int]]  # per KV cache group, the blocks the load writes
     expires: float
     heard: LoadOutcome | None = None  # the outcomes of the workers that reported it so far, merged
+    resting: list["RestingSave"] = dataclasses.field(default_factory=list)  # saves planned before it settled
+
+
+@dataclasses.dataclass
+class RestingSave:
+    """A save planned while loads of its request were unsettled: if one of them fails, the chunk was computed over
+    missing KV, and the workers drop it (``settled`` once the scheduler half has acted on that, for all its loads)."""
+
+    req_id: str
+    chunk_hash: str
+    settled: bool = False
 
 
 class Settled(NamedTuple):
@@ -109,6 +120,13 @@ class LoadLedger:
             for b in blocks:
                 writing[b] = writing.get(b, 0) + 1
         return load_id
+
+    def rest(self, load_ids: Iterable[int], req_id: str, chunk_hash: str) -> None:
+        """A save of ``chunk_hash`` was planned while loads ``load_ids`` were unsettled: each carries it until then."""
+        save = RestingSave(req_id, chunk_hash)
+        for load_id in load_ids:
+            if (load := self._inflight.get(load_id) or self._expired.get(load_id)) is not None:
+                load.resting.append(save)
 
     def next_id(self) -> int:
         """The id the next load will get: every load planned from now on has this id or a higher one."""

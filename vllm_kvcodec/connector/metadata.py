@@ -77,12 +77,15 @@ class SaveSpec:
 
     ``unsettled_loads`` are the ids of the request's loads whose outcome the
     scheduler half had not heard of (from every worker) when it planned the
-    save: a worker on which one of them failed drops the save (the load
-    failed in a step the plan did not yet know about, as with vLLM's async
-    scheduling), because the chunk may have been computed over KV that never
-    arrived. Ids, not a count of failures: a rank whose load failed a step
-    after another rank's succeeded is judged by the same load, and a new
-    request under a finished one's id never inherits its failures.
+    save: the chunk may have been computed over KV that never arrived, on
+    this worker or any other (their outputs are all-reduced, or feed the next
+    stage). A worker on which one of them failed drops the save at once;
+    where other workers run the same loads, the others hold it until the
+    scheduler half sends the load's verdict (``KVCodecMetadata.settled_loads``,
+    :mod:`~vllm_kvcodec.save.held_saves`). Ids, not a count of failures: a
+    rank whose load failed a step after another rank's succeeded is judged by
+    the same load, and a new request under a finished one's id never inherits
+    its failures.
     """
 
     req_id: str
@@ -127,6 +130,9 @@ class KVCodecMetadata(KVConnectorMetadata):
     # finished requests whose blocks vLLM holds for their finishing tail (in ``saves``): the worker reports them
     # as finished sending once it has gathered it, and vLLM frees their blocks
     finishing: list[str] = dataclasses.field(default_factory=list)
+    # loads every worker reported since the last plan (load id -> failed on one of them): the saves held for
+    # them (save/held_saves.py) are stored, or dropped
+    settled_loads: dict[int, bool] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -143,13 +143,17 @@ COUNTERS: tuple[CounterSpec, ...] = (
     _plain("blocks_evicted_after_load_failure", "vLLM blocks evicted from its local prefix cache because they held KV "
            "that failed to load, or KV computed over it.", "blocks_evicted_after_load_failure"),
     _plain("save_failures", "Saves whose encode or put failed.", "save_failures"),
+    _plain("saves_held_for_load_outcome", "Saves computed after a load, held unwritten until every worker's outcome "
+           "of that load was known (tensor or pipeline parallelism).", "saves_held_for_load_outcome"),
     CounterSpec("saves_dropped", "Chunk saves not done, by reason: queue_full, store_down, after_load_failure, "
-                "incomplete and window_freed are lost (a later miss); deferred_store_down waits for the store, "
-                "deduplicated is being saved by another request.",
+                "after_load_failure_elsewhere, load_unsettled, incomplete and window_freed are lost (a later miss); "
+                "deferred_store_down waits for the store, deduplicated is being saved by another request.",
                 {"queue_full": "saves_dropped", "store_down": "saves_dropped_store_down",
                  "window_freed": "saves_dropped_window_freed",
                  "deferred_store_down": "saves_deferred_store_down",
                  "after_load_failure": "saves_skipped_after_load_failure",
+                 "after_load_failure_elsewhere": "saves_dropped_after_load_failure_elsewhere",
+                 "load_unsettled": "saves_dropped_load_unsettled",
                  "incomplete": "saves_incomplete", "deduplicated": "saves_deduplicated"},
                 label="reason"),
     CounterSpec("store_down", "Times the store went down (up -> down transitions), by the side that saw it.",

@@ -57,7 +57,7 @@ from vllm_kvcodec.format import TokenDigests
 from vllm_kvcodec.identity import PromptIdentity, prompt_identity
 from vllm_kvcodec.keys import Namespace, chunk_object_keys, extend_chunk_hashes, tail_hash, tail_position
 from vllm_kvcodec.connector.kv_events import StoreEvents
-from vllm_kvcodec.connector.load_ledger import LoadLedger
+from vllm_kvcodec.connector.load_ledger import LoadLedger, RestingSave
 from vllm_kvcodec.connector.lookup import Answer, AsyncLookup, Question, Tail, answer_questions, tail_candidates
 from vllm_kvcodec.connector.lookup_budget import LookupBudget
 from vllm_kvcodec.connector.metadata import (ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec,
@@ -149,6 +149,7 @@ class SchedulerHalf:
         self._waiters: dict[str, set[str]] = {}  # chunk hash -> requests that left its save to another's claim
         self._pending_loads: list[LoadSpec] = []
         self._finishing: list[SaveSpec] = []  # finishing tails of requests vLLM ended (see _plan_finish)
+        self._settled: dict[int, bool] = {}  # loads every worker reported since the last plan -> failed
         self.lookup_mode = config.lookup_mode()
         self.lookups = self._lookup_thread() if self.lookup_mode != "sync" and config.load else None
         self._prefetches = config.prefetches()
@@ -461,8 +462,8 @@ class SchedulerHalf:
                 # Nothing runs, so waiting costs no request; without it vLLM steps again at once, and its loop
                 # spins on the GIL the lookup thread needs between its store calls.
                 self.lookups.wait_idle(LOOKUP_IDLE_WAIT_S)
-        meta = KVCodecMetadata(loads=self._pending_loads, idle=idle)
-        self._pending_loads = []
+        meta = KVCodecMetadata(loads=self._pending_loads, idle=idle, settled_loads=self._settled)
+        self._pending_loads, self._settled = [], {}
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             if (tracked := self._requests.get(req_id)) is not None:
                 tracked.looked_up = False  # its blocks are gone; the store may hold more by its resumption
@@ -566,6 +567,7 @@ class SchedulerHalf:
                    refs: list[tuple[str, int]]) -> SaveSpec:
         slots = [slots_for_tokens(table, bs, first, first + tokens).tolist() for table, bs in zip(tracked.block_ids, self.block_sizes)]
         self.events.saving(tracked.request, chunk_hash, first, tokens)
+        self.ledger.rest(tracked.loads, tracked.request.request_id, chunk_hash)  # dropped if one of them fails
         return SaveSpec(tracked.request.request_id, chunk_hash, slots, sorted(tracked.loads), refs,
                         self._digests(tracked, first // self.chunk, tokens))
 
@@ -631,7 +633,8 @@ class SchedulerHalf:
         for req_id, outcome in report.loads.items():
             self._load_settled(req_id, outcome)
         for save in report.saves:
-            self._save_settled(save)
+            if not save.load_failed:  # one of its loads failed: settled with that load (see _drop_resting)
+                self._save_settled(save)
         if report.save_room is not None:
             self._room_freed(report.save_room)
 
@@ -643,6 +646,8 @@ class SchedulerHalf:
         if settled is None:
             return  # some worker still runs it: still in flight, and its outcome still untold
         load, outcome = settled
+        if outcome.load_id:
+            self._settled[outcome.load_id] = bool(outcome.failed)  # the saves held for it are stored, or dropped
         tracked = self._requests.get(req_id)
         if tracked is not None and outcome.load_id in tracked.loads:
             tracked.loads.discard(outcome.load_id)
@@ -654,6 +659,8 @@ class SchedulerHalf:
         self.ledger.mark_failed(outcome.failed)
         for h in outcome.failed:
             self.claims.release(h)  # whoever computes it next saves it again
+        if load is not None:
+            self._drop_resting(load.resting)
         self.stats.add(failed_load_chunks=len(outcome.failed))
         if load is not None:
             self._evict_from(load.block_ids, min(load.first_tokens.get(h, 1 << 62) for h in outcome.failed))
@@ -667,6 +674,16 @@ class SchedulerHalf:
             if chunks:
                 tracked.hit_chunks = min(tracked.hit_chunks, min(chunks))
                 tracked.next_save = min(tracked.next_save, min(chunks))
+
+    def _drop_resting(self, saves: list[RestingSave]) -> None:
+        """The saves planned while this load was unsettled were computed over KV that did not arrive on some worker:
+        every worker drops them (its own failure, or the verdict of ``settled_loads``), unwritten. Settle them now,
+        as saves that did not land (claims released, planned again from the recompute), so the recompute saves
+        them instead of deduplicating against them; the workers' reports of those drops are then ignored."""
+        for save in saves:
+            if not save.settled:
+                save.settled = True
+                self._save_settled(SaveOutcome(save.req_id, save.chunk_hash, landed=False, load_failed=True))
 
     def _evict_from(self, block_ids: list[list[int]], first_token: int) -> None:
         """Take every group's blocks from ``first_token`` on out of vLLM's prefix cache (they keep their refcounts).
@@ -694,21 +711,24 @@ class SchedulerHalf:
                 self._replan(waiter, save.chunk_hash, 0)
         tracked = self._requests.get(save.req_id)
         if tracked is not None:
-            self._replan(tracked, save.chunk_hash, save.needs_room)
+            self._replan(tracked, save.chunk_hash, save.needs_room, spent=not save.load_failed)
 
-    def _replan(self, tracked: _Tracked, chunk_hash: str, needs_room: int) -> None:
-        """Plan a save of one of ``tracked``'s chunks again, now or (``needs_room``) once the queue has room."""
+    def _replan(self, tracked: _Tracked, chunk_hash: str, needs_room: int, spent: bool = True) -> None:
+        """Plan a save of one of ``tracked``'s chunks again, now or (``needs_room``) once the queue has room;
+        ``spent``: it counts as one of the chunk's attempts (a put that failed)."""
         if chunk_hash in tracked.hashes:
             chunk = tracked.hashes.index(chunk_hash)
         elif chunk_hash == tracked.tail_save:
             chunk = TAIL
         else:
             return
-        if needs_room:
-            # Not a failed save: its attempt is given back. Under async scheduling the room a report brings was
-            # taken a step before the saves already planned for the next step, so a save planned from it can find
-            # the queue full again; spending attempts on that gave chunks up for good (seen: 3 of 3 spent).
+        if needs_room or not spent:
+            # Not a failed save (no room, or computed over a failed load: the recompute saves it): its attempt is
+            # given back. Under async scheduling the room a report brings was taken a step before the saves already
+            # planned for the next step, so a save planned from it can find the queue full again; spending attempts
+            # on that gave chunks up for good (seen: 3 of 3 spent).
             tracked.save_attempts[chunk] = max(0, tracked.save_attempts[chunk] - 1)
+        if needs_room:
             tracked.awaiting_room[chunk] = max(needs_room, tracked.awaiting_room.get(chunk, 0))
             self._awaiting_room.setdefault(tracked.request.request_id)
         else:

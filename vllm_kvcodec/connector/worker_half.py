@@ -44,6 +44,7 @@ from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, layouts_for, shared_kv_layers
 from vllm_kvcodec.paged.objects import object_layout_for
 from vllm_kvcodec.save.gather import SaveGather, chunk_nbytes, save_gather_for
+from vllm_kvcodec.save.held_saves import HOLD_SLACK_S, HeldSaves
 from vllm_kvcodec.save.saver import Saver
 from vllm_kvcodec.save.upgrade import Upgrader
 from vllm_kvcodec.stats import ConnectorStats
@@ -63,13 +64,16 @@ PROBE_BYTES = 4 << 20
 
 class WorkerHalf:
     def __init__(self, vllm_config: "VllmConfig", config: ConnectorConfig, namespace: Namespace, groups: list[range],
-                 tp_rank: int, cache_groups: CacheGroups, first_group: int = 0) -> None:
+                 tp_rank: int, cache_groups: CacheGroups, first_group: int = 0, loaders: int = 1) -> None:
+        """``loaders``: the workers that run each load (every TP rank of every stage); with more than one, a save
+        computed after a load waits for all their outcomes (save/held_saves.py)."""
         if not ObjectAddresses(namespace, tp_rank, ()).saves:
             # A replicated cache (MLA's latent, TP > 1) is written by rank 0 only: one writer per key; this rank loads.
             config = config.model_copy(update={"save": False})
         self.vllm_config, self.config, self.namespace = vllm_config, config, namespace
         self.groups, self.tp_rank, self.cache_groups = groups, tp_rank, cache_groups
         self.first_group = first_group  # pipeline parallelism: this stage's groups are numbered from it in keys
+        self.loaders = loaders
         self.stats = ConnectorStats()
         dtype = DType.parse(namespace.dtype)
         self.objects = object_layout_for(namespace.layout_id)  # what one stored object holds: pages or canonical KV
@@ -141,9 +145,10 @@ class WorkerHalf:
         if self.config.prefetches() and not self.store.ranged_reads:  # objects read in place are never taken
             self.prefetcher = Prefetcher(self.store, self.config.prefetch_bytes, self.stats)
             self.fetcher.prefetched = self.prefetcher
+        held = HeldSaves(self.config.load_timeout_s + HOLD_SLACK_S) if self.loaders > 1 else None
         self.saver = Saver(self.store, addresses, self.chooser, self.config.save_threads,
                            self.config.max_pending_save_bytes, self.stats, report=self._save_settled,
-                           nice=self.config.save_thread_nice)
+                           nice=self.config.save_thread_nice, held=held)
         self.save_gather = save_gather_for(caches, ordered, self.saver, self.layer_cache_groups, self.objects)
         self.fetcher.placement.block_reads = self.save_gather.block_reads  # loads wait for reads of their blocks
         if self.config.save and self.config.upgrade_fallback_chunks and self.chooser.behind is not None:
@@ -224,7 +229,8 @@ class WorkerHalf:
 
     # ---- load -----------------------------------------------------------------------
     def start_load_kv(self, meta: KVCodecMetadata) -> None:
-        assert self.fetcher is not None, "register_kv_caches was not called"
+        assert self.fetcher is not None and self.saver is not None, "register_kv_caches was not called"
+        self.saver.settle_loads(meta.settled_loads)  # saves held for loads now settled on every worker
         timeout = self.config.load_timeout_s
         self.recent_loads.extend(meta.loads)
         if self.prefetcher is not None:
@@ -405,11 +411,13 @@ class WorkerHalf:
             if reason == "incomplete":
                 self.stats.add(saves_incomplete=1)
             needs = self.save_gather.chunk_nbytes(len(spec.group_slots[0])) if reason == "no room" else 0
-            self._save_settled(SaveOutcome(spec.req_id, spec.chunk_hash, landed=False, needs_room=needs))  # planned again
+            self._save_settled(SaveOutcome(spec.req_id, spec.chunk_hash, landed=False, needs_room=needs,
+                                           load_failed=reason == "load failed"))  # planned again
 
     def _computed_over_good_kv(self, spec: SaveSpec) -> bool:
         """False when a load of the request failed here that the scheduler had not heard of when it planned the
-        save: the chunk may rest on missing KV."""
+        save: the chunk may rest on missing KV. (Another worker's failure of it is heard of later: the Saver holds
+        the save until then, see save/held_saves.py.)"""
         if not self._load_failures.get(spec.req_id, set()).isdisjoint(spec.unsettled_loads):
             self.stats.add(saves_skipped_after_load_failure=1)
             return False

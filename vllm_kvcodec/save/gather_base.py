@@ -11,7 +11,7 @@ runs without a store) and the real Saver are held to the same signatures.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -36,7 +36,7 @@ class SaveSink(Protocol):
 
     def submit(self, chunk_hash: str, kv: torch.Tensor, req_id: str = "", reserved: bool = False,
                tokens: int | None = None, refs: Sequence[tuple[str, int]] = (),
-               digests: "TokenDigests | None" = None) -> bool: ...
+               digests: "TokenDigests | None" = None, hold: Collection[int] = ()) -> bool: ...
 
 
 #: ``(req_id, chunk_hash, group_slots)`` of one chunk to save (a :class:`~vllm_kvcodec.connector.metadata.SaveSpec`).
@@ -124,9 +124,11 @@ class SaveGather(abc.ABC):
     def _hand_over(self, index: int, spec: SaveSpecLike, nbytes: int) -> None: ...
 
     def _submit(self, spec: SaveSpecLike, kv: torch.Tensor) -> None:
-        """Hand one gathered chunk (its bytes reserved) to the Saver with what its header and refs record."""
+        """Hand one gathered chunk (its bytes reserved) to the Saver with what its header and refs record, and the
+        loads whose every-worker outcome it waits for (:mod:`~vllm_kvcodec.save.held_saves`)."""
         self.saver.submit(spec.chunk_hash, kv, spec.req_id, reserved=True, tokens=spec.tokens,
-                          refs=getattr(spec, "refs", ()), digests=getattr(spec, "digests", None))
+                          refs=getattr(spec, "refs", ()), digests=getattr(spec, "digests", None),
+                          hold=getattr(spec, "unsettled_loads", ()))
 
     def _finish_step(self) -> None:
         """Release per-step buffers (and, on a GPU, order the engine's stream after the gathers)."""

@@ -12,11 +12,12 @@ passes on to the scheduler half: a save that did not land is planned again.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -27,6 +28,7 @@ from vllm_kvcodec.codecs.choice import CodecChooser
 from vllm_kvcodec.format import TokenDigests, encode_chunk
 from vllm_kvcodec.keys import ObjectAddresses
 from vllm_kvcodec.outcomes import SaveOutcome
+from vllm_kvcodec.save.held_saves import HeldSaves, Released
 from vllm_kvcodec.stats import ConnectorStats
 from vllm_kvcodec.thread_pools import started_pool
 from vllm_kvcodec.torch_threads import one_torch_thread
@@ -51,6 +53,19 @@ def yield_to_engine(nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Job:
+    """One gathered chunk to encode and store, with what its header and refs record."""
+
+    chunk_hash: str
+    kv: torch.Tensor
+    nbytes: int  # raw bytes reserved for it in the budget
+    req_id: str
+    tokens: int
+    refs: tuple[tuple[str, int], ...]
+    digests: TokenDigests | None
+
+
 class Saver:
     def __init__(
         self,
@@ -62,7 +77,10 @@ class Saver:
         stats: ConnectorStats,
         report: Callable[[SaveOutcome], None] = lambda outcome: None,
         nice: int = 0,
+        held: HeldSaves | None = None,
     ) -> None:
+        """``held``: where saves wait for every worker's outcome of their loads (:mod:`~.held_saves`), given where
+        more than one worker runs each load; None: a save rests on this worker's loads only, known at submit."""
         self.store, self.addresses, self.groups = store, addresses, addresses.groups
         self.chooser, self.stats, self.max_pending = chooser, stats, max_pending_bytes
         self.report = report
@@ -75,6 +93,7 @@ class Saver:
         self._futures: set[Future] = set()
         self._last_drop_log = -DROP_LOG_INTERVAL_S
         self._drops_unlogged = 0
+        self.held = held
 
     def reserve(self, nbytes: int) -> bool:
         """Take ``nbytes`` of the budget for a chunk about to be gathered; False (counted) if they do not fit.
@@ -106,11 +125,13 @@ class Saver:
 
     def submit(self, chunk_hash: str, kv: torch.Tensor, req_id: str = "", reserved: bool = False,
                tokens: int | None = None, refs: Sequence[tuple[str, int]] = (),
-               digests: TokenDigests | None = None) -> bool:
+               digests: TokenDigests | None = None, hold: Collection[int] = ()) -> bool:
         """Queue ``kv`` ``[layers, 2, chunk, heads, dim]`` for encoding and storing (its bytes reserved, or not yet);
         every object records ``digests`` of its tokens (:mod:`~vllm_kvcodec.token_digests`); once it landed, rank 0
-        writes its block refs ``refs`` (prefix hash and tokens each; see :mod:`~vllm_kvcodec.block_refs`)."""
+        writes its block refs ``refs`` (prefix hash and tokens each; see :mod:`~vllm_kvcodec.block_refs`).
+        ``hold``: the loads it was computed after whose every-worker outcome is not known yet (see ``held``)."""
         nbytes = kv.numel() * kv.element_size()
+        job = _Job(chunk_hash, kv, nbytes, req_id, kv.shape[2] if tokens is None else tokens, tuple(refs), digests)
         if self._store_is_down():
             if reserved:
                 self.unreserve(nbytes)
@@ -123,12 +144,44 @@ class Saver:
                 return False
             if not reserved:
                 self._pending += nbytes
+            if hold and self.held is not None:
+                self.stats.add(saves_held_for_load_outcome=1)
+                released = self.held.hold(job, hold)
+            else:
+                released = Released([job], [], [])
+        self._release(released)
+        return True
+
+    def settle_loads(self, verdicts: Mapping[int, bool]) -> None:
+        """Loads every worker reported (load id -> failed on one of them): store the held saves they clear, drop
+        those computed over a failure (reported as not landed: the request recomputes and saves them)."""
+        if self.held is None:
+            return
+        with self._lock:
+            released = self.held.settle(verdicts)
+        self._release(released)
+
+    def _release(self, released: Released) -> None:
+        for job in released.ready:
+            self._enqueue(job)
+        for jobs, load_failed in ((released.failed, True), (released.expired, False)):
+            for job in jobs:
+                with self._lock:
+                    self._pending -= job.nbytes
+                self.report(SaveOutcome(job.req_id, job.chunk_hash, landed=False, load_failed=load_failed))
+        if released.failed:
+            self.stats.add(saves_dropped_after_load_failure_elsewhere=len(released.failed))
+        if released.expired:
+            self.stats.add(saves_dropped_load_unsettled=len(released.expired))
+            logger.warning("kvcodec: dropped %d chunk save(s) whose loads' outcome never came from every worker",
+                           len(released.expired))
+
+    def _enqueue(self, job: _Job) -> None:
+        with self._lock:
             self._waiting += 1
-            future = self._pool.submit(self._encode_put, chunk_hash, kv, nbytes, req_id,
-                                       kv.shape[2] if tokens is None else tokens, refs, digests)
+            future = self._pool.submit(self._encode_put, job)
             self._futures.add(future)
         future.add_done_callback(self._forget)
-        return True
 
     def _drop(self, what: str) -> None:
         """Count a save that did not fit; warn at most every DROP_LOG_INTERVAL_S (a long prefill drops many)."""
@@ -166,8 +219,8 @@ class Saver:
             self._waiting -= 1
             return self._waiting >= self.threads
 
-    def _encode_put(self, chunk_hash: str, kv: torch.Tensor, nbytes: int, req_id: str, tokens: int,
-                    refs: Sequence[tuple[str, int]] = (), digests: TokenDigests | None = None) -> None:
+    def _encode_put(self, job: _Job) -> None:
+        chunk_hash, kv, nbytes, tokens, digests = job.chunk_hash, job.kv, job.nbytes, job.tokens, job.digests
         landed = False
         try:
             t0 = time.perf_counter()
@@ -188,14 +241,14 @@ class Saver:
                            **{f"codec_{codec.codec_id}_saves": 1},
                            **({"saves_behind": 1} if behind else {}))
             landed = True
-            self._put_refs(chunk_hash, tokens, refs)
+            self._put_refs(chunk_hash, tokens, job.refs)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an engine error
             self.stats.add(save_failures=1)
             logger.warning("kvcodec: saving chunk %s failed: %s", chunk_hash[:12], exc)
         finally:
             with self._lock:
                 self._pending -= nbytes
-            self.report(SaveOutcome(req_id, chunk_hash, landed))
+            self.report(SaveOutcome(job.req_id, chunk_hash, landed))
 
     def _put_refs(self, chunk_hash: str, tokens: int, refs: Sequence[tuple[str, int]]) -> None:
         """The object's block refs, after it landed (a ref never names an object not yet stored), by one rank
@@ -240,6 +293,9 @@ class Saver:
         """
         with self._lock:
             queued = len(self._futures)
+            unsettled = self.held.take_all() if self.held is not None else []
+        if unsettled:  # their loads' outcome will never come: storing them could store KV computed over a failure
+            self._release(Released([], [], unsettled))
         t0 = time.monotonic()
         stored_all = self.flush(timeout)
         with self._lock:
