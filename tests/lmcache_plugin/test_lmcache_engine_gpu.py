@@ -100,13 +100,14 @@ def test_second_engine_loads_prefix_through_the_plugin(tmp_path: Path) -> None:
 
     from storage import open_store
     from vllm_kvcodec.lmcache_plugin import envelope
+    from vllm_kvcodec.lmcache_plugin.store_keys import ROOT, group_binding
     from vllm_kvcodec.format import read_header
 
     with open_store(f"file://{store}") as s:
-        chunk_keys = [k for k in s.keys("lmc/v1/") if not k.endswith("/ns")]
+        chunk_keys = [k for k in s.keys(ROOT) if not k.endswith("/ns")]
         assert len(chunk_keys) >= 4
         fmt, blobs = envelope.unpack(s.get(chunk_keys[0]))
-        assert fmt == "KV_2LTD" and read_header(blobs[0]).codec_id == "rans"
+        assert fmt == "KV_2LTD" and read_header(blobs[0], key=group_binding(chunk_keys[0], 0)).codec_id == "rans"
 
     warm = _run_engine(script, env, num_tokens)
     hits = sum(s["hits"] for s in warm["stats"])

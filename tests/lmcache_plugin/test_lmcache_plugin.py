@@ -35,7 +35,7 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E
 from storage import open_store, validate_key  # noqa: E402
 from vllm_kvcodec.format import decode_chunk, encode_chunk, read_header  # noqa: E402
 from vllm_kvcodec.lmcache_plugin import KVCodecRemoteConnector, envelope  # noqa: E402
-from vllm_kvcodec.lmcache_plugin.store_keys import ROOT  # noqa: E402
+from vllm_kvcodec.lmcache_plugin.store_keys import ROOT, group_binding  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CHUNK = 256
@@ -236,7 +236,7 @@ def test_round_trip_through_lmcache(store_url: str, codec: str, chunks, tmp_path
         validate_key(store_key)
         fmt, blobs = envelope.unpack(stored_value(store_url, store_key))
         assert fmt == "KV_2LTD" and len(blobs) == 1
-        assert read_header(blobs[0]).codec_id == codec
+        assert read_header(blobs[0], key=group_binding(store_key, 0)).codec_id == codec
         stats = eng.connector.stats
         assert stats.hits >= 2 * len(keys) and stats.unusable == 0
         if codec != "raw":
@@ -299,8 +299,10 @@ def test_two_kv_groups_round_trip(chunks, tmp_path: Path) -> None:
         while eng.connector.stats.puts < 1:
             assert time.monotonic() < deadline and eng.connector.stats.put_failures == 0
             time.sleep(0.005)
-        _, blobs = envelope.unpack(stored_value(url, eng.connector.keys.store_key(key)))
-        assert [read_header(b).shape for b in blobs] == [(2, 30, CHUNK, 192), (2, 4, CHUNK, 64)]
+        store_key = eng.connector.keys.store_key(key)
+        _, blobs = envelope.unpack(stored_value(url, store_key))
+        assert [read_header(b, key=group_binding(store_key, i)).shape for i, b in enumerate(blobs)] == [
+            (2, 30, CHUNK, 192), (2, 4, CHUNK, 64)]
         got = eng.backend.get_blocking(key)
         assert got.get_shapes() == metadata.get_shapes()
         assert torch.equal(bits(got.get_tensor(0)), bits(chunks[0]))
@@ -394,9 +396,10 @@ def test_shape_and_dtype_mismatches_are_misses(chunks, tmp_path: Path, warnings_
         key = eng.key(42)
         eng.put([key], [chunks[0]])
         store_key = eng.connector.keys.store_key(key)
-        with open_store(url) as store:  # a float32 chunk planted under the bf16 key of another chunk
-            store.put(eng.connector.keys.store_key(eng.key(43)),
-                      envelope.pack("KV_2LTD", [encode_chunk(chunks[1].float(), codec="zstd")]))
+        planted = eng.connector.keys.store_key(eng.key(43))
+        with open_store(url) as store:  # a float32 chunk planted under the bf16 key of another chunk, bound to it
+            store.put(planted, envelope.pack("KV_2LTD", [encode_chunk(chunks[1].float(), codec="zstd",
+                                                                      key=group_binding(planted, 0))]))
         warnings_of_connector.clear()
         assert eng.backend.get_blocking(eng.key(43)) is None
     with lmcache_engine(write_config(tmp_path, url), kv_shape=(28, 2, CHUNK, 3, 64)) as other:

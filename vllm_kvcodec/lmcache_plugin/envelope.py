@@ -6,8 +6,9 @@ Layout (little-endian)::
 
 ``meta`` is ``{"fmt": "<MemoryFormat name>", "sizes": [len(blob_0), ...]}``.
 Each blob is a :func:`vllm_kvcodec.format.encode_chunk` chunk and carries its
-own dtype, shape, codec and checksum; the envelope's own checksum covers the
-memory format and the sizes. Anything that does not parse exactly raises
+own dtype, shape, codec and checksum, and is bound to its store key and group
+(:func:`~vllm_kvcodec.lmcache_plugin.store_keys.group_binding`); the
+envelope's own checksum covers the memory format and the sizes. Anything that does not parse exactly raises
 :class:`~vllm_kvcodec.errors.ChunkFormatError`.
 """
 

@@ -11,8 +11,15 @@ coroutines await them.
 What a ``get`` returns is a ``MemoryObj`` from LMCache's own allocator (the
 local CPU backend), with the shapes, dtypes and memory format that were put,
 bit for bit; or ``None``. A stored object that fails any check (envelope or
-chunk checksum, an unknown codec, a shape, dtype or format this engine does
-not expect) is a miss with a warning, never data.
+chunk checksum, its binding to the key asked for, an unknown codec, a shape,
+dtype or format this engine does not expect) is a miss with a warning, never
+data.
+
+Each chunk is bound to its store key and KV group (:func:`group_binding`), so a
+value another key's slot returns (a swap, a misrouted reply, a copy) is refused.
+LMCache hands a remote connector keys and KV, never token ids: what proves the
+tokens is the chunk hash in LMCache's key, its own prefix hash of them (see
+docs/lmcache.md, "What a load proves").
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from vllm_kvcodec.lmcache_plugin.store_keys import (
     ROOT,
     KeyMapper,
     KeyNamespace,
+    group_binding,
     parse_descriptor,
     parse_store_key,
 )
@@ -223,12 +231,13 @@ class KVCodecRemoteConnector(RemoteConnector):
             raise ValueError("the MemoryObj is no longer valid")
         return [t if t.device.type == "cpu" else t.cpu() for t in tensors]
 
-    def _encode(self, memory_obj: MemoryObj) -> tuple[bytes, int]:
-        """The stored value of one MemoryObj and its raw size; ValueError if it is not this engine's KV."""
+    def _encode(self, memory_obj: MemoryObj, store_key: str) -> tuple[bytes, int]:
+        """The value of one MemoryObj, bound to ``store_key``, and its raw size; ValueError if it is not our KV."""
         fmt = memory_obj.get_memory_format()
         tensors = self._group_tensors(memory_obj)
         self._check_layout(fmt, [t.shape for t in tensors], [t.dtype for t in tensors])
-        blobs = [encode_chunk(t, codec=self._codec_for_layout(fmt, t.dtype)) for t in tensors]
+        blobs = [encode_chunk(t, codec=self._codec_for_layout(fmt, t.dtype), key=group_binding(store_key, i))
+                 for i, t in enumerate(tensors)]
         return envelope.pack(fmt.name, blobs), sum(t.numel() * t.element_size() for t in tensors)
 
     def _descriptors(self, namespaces: Sequence[KeyNamespace]) -> list[tuple[str, bytes]]:
@@ -245,21 +254,23 @@ class KVCodecRemoteConnector(RemoteConnector):
 
     def _put_one(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         ns, part = self.keys.split(key)
+        store_key = ns.store_key(part)
         try:
-            value, raw = self._encode(memory_obj)
+            value, raw = self._encode(memory_obj, store_key)
         except Exception:
             self._count(put_failures=1)
             raise
         try:
-            self._put_values([(f"{ROOT}{ns.digest}/{part}", value)], [ns])
+            self._put_values([(store_key, value)], [ns])
         except StoreError:
             self._count(put_failures=1, store_errors=1)
             raise
         self._count(puts=1, put_raw_bytes=raw, put_stored_bytes=len(value))
 
-    def _encode_or_skip(self, key: CacheEngineKey, memory_obj: MemoryObj) -> Optional[tuple[bytes, int]]:
+    def _encode_or_skip(self, key: CacheEngineKey, store_key: str,
+                        memory_obj: MemoryObj) -> Optional[tuple[bytes, int]]:
         try:
-            return self._encode(memory_obj)
+            return self._encode(memory_obj, store_key)
         except Exception as exc:
             self._count(put_failures=1)
             logger.warning("kvcodec: not storing %s: %s", key.to_string(), exc)
@@ -281,7 +292,7 @@ class KVCodecRemoteConnector(RemoteConnector):
                 fmt = MemoryFormat[fmt_name]
             except KeyError:
                 raise ChunkFormatError(f"unknown LMCache memory format {fmt_name!r}") from None
-            tensors = [decode_chunk(b) for b in blobs]
+            tensors = [decode_chunk(b, key=group_binding(store_key, i)) for i, b in enumerate(blobs)]
             shapes = [t.shape for t in tensors]
             dtypes = [t.dtype for t in tensors]
             self._check_layout(fmt, shapes, dtypes)
@@ -438,17 +449,19 @@ class KVCodecRemoteConnector(RemoteConnector):
 
     async def batched_put(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]) -> None:
         keys = list(keys)
+        splits = [self.keys.split(k) for k in keys]
+        store_keys = [ns.store_key(part) for ns, part in splits]
         encoded = await asyncio.gather(
-            *(self._run(self._pool, self._encode_or_skip, k, m) for k, m in zip(keys, memory_objs))
+            *(self._run(self._pool, self._encode_or_skip, k, sk, m)
+              for k, sk, m in zip(keys, store_keys, memory_objs))
         )
         items: list[tuple[str, bytes]] = []
         namespaces: list[KeyNamespace] = []
         raw = 0
-        for key, enc in zip(keys, encoded):
+        for (ns, _), store_key, enc in zip(splits, store_keys, encoded):
             if enc is None:
                 continue
-            ns, part = self.keys.split(key)
-            items.append((f"{ROOT}{ns.digest}/{part}", enc[0]))
+            items.append((store_key, enc[0]))
             namespaces.append(ns)
             raw += enc[1]
         if not items:

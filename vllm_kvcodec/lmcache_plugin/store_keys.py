@@ -7,12 +7,17 @@ A key's string form is ``<model>@<world_size>@<worker_id>@<chunk hash hex>@<dtyp
 layout's version, our chunk format version and the plug-in's ``namespace``
 salt, so the store key is short, printable ASCII whatever the model name is::
 
-    lmc/v1/<32 hex digits of the namespace digest>/<chunk hash hex>
+    lmc/v2/<32 hex digits of the namespace digest>/<chunk hash hex>
 
 Next to the chunks of each namespace lies one small descriptor,
-``lmc/v1/<digest>/ns`` (``n`` and ``s`` are not hex digits, so it never
+``lmc/v2/<digest>/ns`` (``n`` and ``s`` are not hex digits, so it never
 collides with a chunk), holding the namespace's two halves of the key string:
 that is how ``list()`` gives back LMCache's own key strings.
+
+Each KV group's chunk in a stored value is bound to ``<store key>#<group>``
+(:func:`group_binding`), so a value read from another key's slot is refused.
+Layout 1 (``lmc/v1/``) held unbound chunks: this reader never looks there, so
+what an older plug-in stored is neither found by a lookup nor served.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import xxhash
 
 from vllm_kvcodec.format import VERSION as FORMAT_VERSION
 
-KEY_LAYOUT_VERSION = 1
+KEY_LAYOUT_VERSION = 2  # 2: every chunk is bound to its key (1 held unbound chunks, never read now)
 ROOT = f"lmc/v{KEY_LAYOUT_VERSION}/"
 DESCRIPTOR = "ns"
 # Chunk hashes are ints (hex, maybe with a '-') or bytes (hex); anything longer
@@ -38,6 +43,10 @@ class KeyNamespace:
     head: str  # "<model>@<world_size>@<worker_id>"
     tail: str  # "<dtype>[@<layer_id>][@tag%value...]"
     digest: str
+
+    def store_key(self, part: str) -> str:
+        """Where the chunk ``part`` (:meth:`KeyMapper.split`) of this namespace is stored."""
+        return f"{ROOT}{self.digest}/{part}"
 
     @property
     def descriptor_key(self) -> str:
@@ -87,7 +96,13 @@ class KeyMapper:
 
     def store_key(self, key: Any) -> str:
         ns, part = self.split(key)
-        return f"{ROOT}{ns.digest}/{part}"
+        return ns.store_key(part)
+
+
+def group_binding(store_key: str, group: int) -> str:
+    """What KV group ``group`` of the value under ``store_key`` is bound to: a chunk moved to another key or group
+    is refused. The store key names the whole CacheEngineKey (its namespace digest) and the plug-in's salt."""
+    return f"{store_key}#{group}"
 
 
 def parse_store_key(store_key: str) -> tuple[str, str] | None:
