@@ -158,6 +158,8 @@ class KVCodecTier(SecondaryTierManager):
         self._lookup.shutdown()
         self._pool.shutdown(wait=True)
         self.store.close()
+        if self._rows is not self._primary_kv_view:
+            self._rows.release()  # a view of vLLM's shared memory: while it lives, vLLM cannot unmap it
 
     # -- the background threads ----------------------------------------------------------
 
