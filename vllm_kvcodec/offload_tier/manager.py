@@ -41,6 +41,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, ScheduleEndContext, Secon
 from storage import Store, open_store
 from storage.outage import OutageGuard
 from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.offload_tier import engine_context
 from vllm_kvcodec.offload_tier.namespace import namespace_digest, namespace_fields, store_key
 from vllm_kvcodec.offload_tier.rows import RowCodec
 
@@ -71,6 +72,7 @@ class KVCodecTier(SecondaryTierManager):
                  backpressure_detector: "BackpressureDetector | None" = None) -> None:
         """``store``: a store URL (storage.open_store); ``codec``: a codec id (None: the default for the KV dtype);
         ``channels``: the codecs' innermost dimension (a divisor of the head size); ``salt``: tenants apart."""
+        self.engine = engine_context.current()  # before anything is allocated or opened
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
         self._rows = primary_kv_view.cast("B") if primary_kv_view.ndim > 1 or primary_kv_view.format != "B" \
