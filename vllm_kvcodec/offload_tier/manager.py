@@ -42,7 +42,7 @@ from storage import Store, open_store
 from storage.outage import OutageGuard
 from vllm_kvcodec.dtypes import DType
 from vllm_kvcodec.offload_tier import engine_context
-from vllm_kvcodec.offload_tier.namespace import namespace_digest, namespace_fields, store_key
+from vllm_kvcodec.offload_tier.namespace import store_key, tier_namespace
 from vllm_kvcodec.offload_tier.rows import RowCodec
 
 if TYPE_CHECKING:
@@ -77,8 +77,7 @@ class KVCodecTier(SecondaryTierManager):
         self.locality = Locality(locality) if locality is not None else None
         self._rows = primary_kv_view.cast("B") if primary_kv_view.ndim > 1 or primary_kv_view.format != "B" \
             else primary_kv_view
-        fields = namespace_fields(offloading_spec.config, self.block_size_bytes, salt)
-        self.digest = namespace_digest(fields)
+        self.namespace = tier_namespace(self.engine.vllm_config, offloading_spec.config, self.block_size_bytes, salt)
         self.row_codec = RowCodec(DType.parse(offloading_spec.config.model.dtype), self.block_size_bytes, codec, channels)
         self.store: Store = OutageGuard(store, open_store, retry_s=store_retry_s)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvcodec-offload")
@@ -91,10 +90,10 @@ class KVCodecTier(SecondaryTierManager):
                                          "store_failures": 0, "load_failures": 0}
         self._lookup = _StoreLookup(self)
         logger.info("kvcodec offload tier: store %s, codec %s, rows of %d bytes, namespace %s", self.store.url,
-                    codec or "default", self.block_size_bytes, self.digest[:12])
+                    codec or "default", self.block_size_bytes, self.namespace.digest[:12])
 
     def key_of(self, key: OffloadKey) -> str:
-        return store_key(self.digest, key)
+        return store_key(self.namespace, key)
 
     def _row(self, chunk_id: int) -> memoryview:
         size = self.block_size_bytes
