@@ -11,7 +11,6 @@ question (how many tokens can be loaded) for the same prompt on the same store.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,35 +19,12 @@ import torch
 
 from tests.support.offload_engine import BLOCK, OffloadEngine
 
-ROWS = 4
-
-
-@pytest.fixture(scope="module")
-def tokens() -> list[int]:
-    from vllm_kvcodec.tools.smollm2 import sample_token_ids
-
-    return sample_token_ids(ROWS * BLOCK + 1)
-
-
-@pytest.fixture(scope="module")
-def blocks(real_kv_1k: torch.Tensor) -> torch.Tensor:
-    """The prompt's blocks of real KV, one CPU-tier row each, as bytes."""
-    layers, _, _, heads, dim = real_kv_1k.shape
-    kv = real_kv_1k[:, :, : ROWS * BLOCK].reshape(layers, 2, ROWS, BLOCK, heads, dim)
-    return kv.permute(2, 0, 1, 3, 4, 5).contiguous().reshape(ROWS, -1).view(torch.uint8)
+ROWS = 4  # blocks stored and loaded, of the prompt's 8
 
 
 @pytest.fixture
-def engine() -> Iterator[Callable[..., OffloadEngine]]:
-    made: list[OffloadEngine] = []
-
-    def make(store: str, **kwargs: object) -> OffloadEngine:
-        made.append(OffloadEngine(store, **kwargs))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.shutdown()
+def kv(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks[:ROWS]
 
 
 def saved(e: OffloadEngine, tokens: list[int], rows: torch.Tensor) -> OffloadEngine:
@@ -70,7 +46,7 @@ def loads(e: OffloadEngine, tokens: list[int]) -> torch.Tensor | None:
     return e.loaded_rows(req, ROWS)
 
 
-def test_a_fine_tune_deployed_at_the_same_path_never_reads_the_base_models_rows(engine, tokens, blocks,
+def test_a_fine_tune_deployed_at_the_same_path_never_reads_the_base_models_rows(engine, tokens, kv,
                                                                                 tmp_path: Path) -> None:
     """One path, other weights (a fine-tune copied over the model folder): vLLM's OffloadingConfig names the same
     model, the tier's namespace fingerprints the weights."""
@@ -81,9 +57,9 @@ def test_a_fine_tune_deployed_at_the_same_path_never_reads_the_base_models_rows(
     for source in model_dir().iterdir():  # the model, deployed here (links: the weights are rewritten below)
         (folder / source.name).symlink_to(source)
     store = f"memory://offload-{uuid.uuid4().hex}"
-    base = saved(engine(store, model=folder), tokens, blocks)
+    base = saved(engine(store, model=folder), tokens, kv)
     same = loads(engine(store, model=folder), tokens)  # the same weights at the same path: shared
-    assert same is not None and torch.equal(same[:, : blocks.shape[1]], blocks)
+    assert same is not None and torch.equal(same[:, : kv.shape[1]], kv)
     weights = next(folder.glob("*.safetensors"))
     data = np.fromfile(weights, dtype=np.uint8)
     data[len(data) // 2 :] ^= 0x01  # a "fine-tune": the second half of the weights differs
@@ -99,17 +75,17 @@ def test_a_fine_tune_deployed_at_the_same_path_never_reads_the_base_models_rows(
     {"hf_overrides": {"rope_parameters": {"rope_type": "default", "rope_theta": 20000.0}}},  # config_inputs
     {"enforce_eager": False},  # compiled kernels round differently (compute_identity)
 ], ids=["hf_overrides", "compiled"])
-def test_engines_that_differ_only_in_configuration_each_read_only_their_own_rows(engine, tokens, blocks,
+def test_engines_that_differ_only_in_configuration_each_read_only_their_own_rows(engine, tokens, kv,
                                                                                  differs: dict) -> None:
     """Same weights, same path, same tokens, same offload keys: each kind of engine stores its own rows (other KV)
     under them and loads only those."""
     store = f"memory://offload-{uuid.uuid4().hex}"
-    theirs = blocks.roll(1, dims=1)  # stands for the KV the other configuration computes
-    saved(engine(store), tokens, blocks)
+    theirs = kv.roll(1, dims=1)  # stands for the KV the other configuration computes
+    saved(engine(store), tokens, kv)
     other = engine(store, **differs)
     assert loads(other, tokens) is None
     saved(other, tokens, theirs)
     mine = loads(engine(store), tokens)
-    assert mine is not None and torch.equal(mine[:, : blocks.shape[1]], blocks)
+    assert mine is not None and torch.equal(mine[:, : kv.shape[1]], kv)
     again = loads(engine(store, **differs), tokens)
-    assert again is not None and torch.equal(again[:, : blocks.shape[1]], theirs)
+    assert again is not None and torch.equal(again[:, : kv.shape[1]], theirs)

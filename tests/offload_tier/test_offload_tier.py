@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,42 +24,12 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from storage import open_store
+from tests.offload_tier.conftest import ROWS
 from tests.support.offload_engine import BLOCK, OffloadEngine, scheduler_connector, tier_config, vllm_config
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.offload_tier import KVCodecTier
 
-ROWS = 8
 SRC, DST = 0, 16  # first rows of the primary tier's memory that direct jobs read from and load into
-
-
-@pytest.fixture(scope="module")
-def tokens() -> list[int]:
-    """A prompt of ROWS full blocks and one token more (the scheduler never loads a prompt's last token)."""
-    from vllm_kvcodec.tools.smollm2 import sample_token_ids
-
-    return sample_token_ids(ROWS * BLOCK + 1)
-
-
-@pytest.fixture(scope="module")
-def blocks(real_kv_1k: torch.Tensor) -> torch.Tensor:
-    """The prompt's first ROWS blocks of real KV, one CPU-tier row each, as bytes."""
-    layers, _, _, heads, dim = real_kv_1k.shape
-    kv = real_kv_1k[:, :, : ROWS * BLOCK].reshape(layers, 2, ROWS, BLOCK, heads, dim)
-    return kv.permute(2, 0, 1, 3, 4, 5).contiguous().reshape(ROWS, -1).view(torch.uint8)
-
-
-@pytest.fixture
-def engine() -> Iterator[Callable[..., OffloadEngine]]:
-    """Makes engines (``OffloadEngine`` arguments); every one is shut down after the test."""
-    made: list[OffloadEngine] = []
-
-    def make(store: str, **kwargs: object) -> OffloadEngine:
-        made.append(OffloadEngine(store, **kwargs))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.shutdown()
 
 
 def job(job_id: int, keys: list, chunk_ids: list[int], context: ReqContext, promotion: bool = False) -> TransferJob:

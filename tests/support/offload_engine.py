@@ -102,14 +102,16 @@ class OffloadEngine:
         return self.connector.connector_scheduler._req_status[req.request_id]
 
     def context(self, req: Any) -> Any:
-        """The ``ReqContext`` vLLM's scheduler half made for ``req``: what every tier call of it carries."""
-        return self._state(req).req_context
+        """The ``ReqContext`` vLLM's scheduler half made for ``req`` (what every tier call of it carries), with the
+        positions of its keys, as that half records them before it asks the tiers of them."""
+        state = self._state(req)
+        state.update_offload_keys()
+        return state.req_context
 
     def keys(self, req: Any) -> list[bytes]:
         """The request's offload keys, one per full block (vLLM's own, their positions recorded in its context)."""
-        state = self._state(req)
-        state.update_offload_keys()
-        return list(state.group_states[0].offload_keys)
+        self.context(req)
+        return list(self._state(req).group_states[0].offload_keys)
 
     def save(self, req: Any, rows: torch.Tensor) -> None:
         """The request's first blocks computed (``rows``: one row of bytes per block) and offloaded: into the

@@ -11,6 +11,8 @@ with the connector's identity functions: the weights fingerprint, the model
 config inputs, the compute identity), with the CPU-tier row's geometry as its
 layout (not the rank: a scheduler row holds every worker's pages), and a block
 is only ever loaded by an engine that computes and lays it out the same way.
+Its key chain, one link per vLLM block, is what each row's token digests hang
+off (proofs.py); it is SHA-256 whatever vLLM hashes its own blocks with.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_offload.config import OffloadingConfig
 
-#: Version of the row format: bump when what a stored row holds changes.
-ROW_FORMAT = "kvcodec-offload-row/1"
+#: Version of the row format: bump when what a stored row holds changes (2: its tokens' digests).
+ROW_FORMAT = "kvcodec-offload-row/2"
 KEY_ROOT = "kvc/offload"
 
 
@@ -45,7 +47,7 @@ def tier_namespace(vllm_config: "VllmConfig", config: "OffloadingConfig", row_by
         head_dim=model.get_head_size(),
         layout_id=f"{ROW_FORMAT}:{_digest(row_geometry(config, row_bytes))}",
         tp_size=config.parallel.tp_size,
-        chunk_size=config.cache.tokens_per_hash,
+        chunk_size=config.cache.tokens_per_hash,  # a link, and a token digest, per vLLM block hash
         layers_per_object=layers,
         salt=salt,
         compute=compute_identity(vllm_config),
