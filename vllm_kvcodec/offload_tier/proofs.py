@@ -40,7 +40,7 @@ class PromptChain:
     def __init__(self, namespace: Namespace, request: "Request", identity: PromptIdentity) -> None:
         self.namespace, self.request, self.identity = namespace, request, identity
         self._links: list[str] = []
-        self._basis: list[bytes] = []  # vLLM's block hashes of the blocks the links cover
+        self._last: bytes | None = None  # vLLM's hash of the last block the links cover (it chains all before)
 
     def digests(self, start: int, end: int) -> TokenDigests:
         """What the row of tokens ``[start, end)`` (whole vLLM blocks) records of them."""
@@ -50,13 +50,13 @@ class PromptChain:
 
     def _chain(self, links: int) -> list[str]:
         blocks = self.request.block_hashes
-        if self._basis != blocks[: len(self._basis)]:  # a streaming session rewrote tokens the links cover
-            self._links, self._basis = [], []
+        if self._links and blocks[len(self._links) - 1 : len(self._links)] != [self._last]:
+            self._links = []  # a streaming session rewrote tokens the links cover: chain them anew
             self.identity = prompt_identity(self.request) or self.identity
         if len(self._links) < links:
             self._links = extend_chunk_hashes(self.namespace, self.request.all_token_ids, self._links, links,
                                               self.identity)
-            self._basis = list(blocks[:links])
+            self._last = blocks[links - 1]
         return self._links[:links]
 
 
