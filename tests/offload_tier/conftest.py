@@ -1,4 +1,4 @@
-"""A prompt of real text, its real SmolLM2 KV as CPU-tier rows, and engines of vLLM's scheduler side with KVCodecTier."""
+"""A prompt of real text, its real SmolLM2 KV as CPU-tier rows, engines of vLLM's scheduler side with KVCodecTier."""
 
 from __future__ import annotations
 
