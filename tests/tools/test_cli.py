@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -196,6 +197,58 @@ def test_inspect_and_verify_change_nothing_in_the_store(tmp_path) -> None:
     before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "store").rglob("*"))
     assert kvcodec("inspect", url).returncode == 0 and kvcodec("verify", url).returncode == 0
     assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "store").rglob("*")) == before
+
+
+def smollm2() -> str:
+    from vllm_kvcodec.tools.smollm2 import model_dir
+
+    return str(model_dir())
+
+
+@pytest.mark.parametrize("args,culprit", [
+    (["--store", "redis://127.0.0.1:6379/0?read_timout=1"],
+     "store: unknown option(s) read_timout in redis://127.0.0.1:6379/0?read_timout=1; did you mean read_timeout?"),
+    (["--store", "file://tmp/kvstore"],
+     "store: file URLs name a local path (file:///abs/path), not host 'tmp': for the directory /tmp/kvstore write "
+     "file:///tmp/kvstore"),
+    (["--connector-config", '{"chunk_size": 320}', "--block-size", "128"],
+     "chunk_size 320 must be a multiple of vLLM's block_size 128 (the --block-size given); use chunk_size 256 or 384"),
+    (["--connector-config", '{"chunk_size": 320}'],
+     "chunk_size 320 must be a multiple of vLLM's block_size 128 (vLLM's default on this machine; --block-size sets "
+     "it); use chunk_size 256 or 384"),
+    (["--codec", "gzip"], "codec: unknown codec 'gzip'"),
+    (["--connector-config", '{"chunk_sise": 320}'],
+     "chunk_sise: not a key of KVCodecConnector; did you mean chunk_size?"),
+    (["--connector-config", '{"save_codec_when_behind": "lzma"}'], "save_codec_when_behind: unknown codec 'lzma'"),
+])
+def test_serve_refuses_a_bad_setting_in_one_line_before_vllm_starts(args: list[str], culprit: str) -> None:
+    """Exit status 2 and the culprit on one line; nothing from vLLM (no engine, no server: it never started)."""
+    done = kvcodec("serve", smollm2(), *args, "--dtype", "bfloat16", "--max-model-len", "2048", timeout=120)
+    line = one_line_error(done)
+    assert culprit in line, line
+    assert not re.search(r"(INFO|WARNING|ERROR) \d\d-\d\d ", done.stdout + done.stderr)  # no line of vLLM's logging
+
+
+@pytest.mark.parametrize("args,culprit", [
+    (["--store", "redis://127.0.0.1:6379/0?read_timout=1"], "did you mean read_timeout?"),
+    (["--store", "file://tmp/kvstore"], "write file:///tmp/kvstore"),
+    (["--chunk-size", "320", "--block-size", "128"], "chunk_size 320 must be a multiple of vLLM's block_size 128"),
+])
+def test_config_refuses_what_vllm_would_refuse_later(args: list[str], culprit: str) -> None:
+    assert culprit in one_line_error(kvcodec("config", *args))
+
+
+def test_several_bad_settings_are_one_line_each() -> None:
+    done = kvcodec("serve", smollm2(), "--store", "file://tmp/kv",
+                   "--connector-config", '{"lookup": "lazy", "chunk_sise": 1}')
+    assert done.returncode == 2 and not done.stdout
+    assert [line for line in done.stderr.splitlines() if not line.startswith("Triton is installed")] == [
+        "error: invalid kv_connector_extra_config for KVCodecConnector (3 problems):",
+        "  store: file URLs name a local path (file:///abs/path), not host 'tmp': for the directory /tmp/kv write "
+        "file:///tmp/kv",
+        "  lookup: Input should be 'auto', 'sync' or 'async'",
+        "  chunk_sise: not a key of KVCodecConnector; did you mean chunk_size? the keys are in docs/configuration.md",
+    ]
 
 
 def test_config_says_which_block_sizes_a_chunk_size_fits() -> None:

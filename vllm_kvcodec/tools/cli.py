@@ -283,8 +283,10 @@ def bench_faults(
 
 
 def fail(message: object) -> NoReturn:
-    """One line on stderr and exit status 2 (a usage error): the same for every command and every bad argument."""
-    typer.echo("error: " + " ".join(part.strip() for part in str(message).splitlines() if part.strip()), err=True)
+    """``error: <message>`` on stderr and exit status 2 (a usage error), the same for every command and every bad
+    argument: one line, or where several settings are wrong, a heading and one line per problem."""
+    lines = [line.rstrip() for line in str(message).splitlines() if line.strip()]
+    typer.echo("\n".join(["error: " + lines[0].strip(), *lines[1:]]), err=True)
     raise typer.Exit(2)
 
 
@@ -348,6 +350,7 @@ def config(
     codec: Optional[str] = typer.Option(None, help="Codec id or 'auto' (default: the densest for the model's dtype)."),
     chunk_size: int = typer.Option(256, help="Tokens per chunk; a multiple of vLLM's --block-size (a multiple of 32 on the CPU backend, of 16 on CUDA)."),
     load_mode: str = typer.Option("sync", help="sync or async."),
+    block_size: Optional[int] = typer.Option(None, min=1, help="The --block-size `vllm serve` will be given: chunk_size is checked against it (default: against every block size vLLM's backends take)."),
 ) -> None:
     """Print a validated --kv-transfer-config JSON for `vllm serve`."""
     import json
@@ -359,10 +362,10 @@ def config(
     extra = {"chunk_size": chunk_size, "load_mode": load_mode}
     extra.update({k: v for k, v in {"store": store, "codec": codec}.items() if v is not None})
     try:
-        transfer = kv_transfer_config(extra)
+        transfer = kv_transfer_config(extra, block_size)
     except ConfigError as exc:
         fail(exc)
-    if note := chunk_size_note(chunk_size):
+    if block_size is None and (note := chunk_size_note(chunk_size)):
         typer.echo(note, err=True)
     typer.echo(json.dumps(transfer))
 
