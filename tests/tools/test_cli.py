@@ -150,6 +150,43 @@ def test_inspect_and_verify_a_store(tmp_path) -> None:
         assert store.get("other/key") == b"not ours"  # only connector objects are touched
 
 
+def test_verify_says_what_it_checked_in_an_empty_a_sound_and_a_damaged_store(tmp_path) -> None:
+    from storage import open_store
+
+    empty = f"file://{tmp_path / 'empty'}"
+    open_store(empty).close()  # the directory exists, with nothing in it
+    done = kvcodec("verify", empty)
+    assert done.returncode == 0 and done.stdout.splitlines() == [
+        "the store is empty: no chunk objects under kvc/; nothing was checked"], done.stdout + done.stderr
+
+    url = _stored(tmp_path)
+    with open_store(url) as store:
+        sizes = {key: len(store.get(key)) for key in ("kvc/ns1/aaaa/r0g000", "kvc/ns1/bbbb/r0g000")}
+        store.put("kvc/ns1/aaaa/ref", b"r" * 143)  # a block ref: an index entry, not checked as a chunk
+    total = sum(sizes.values())
+    done = kvcodec("verify", url)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == [
+        f"checked 2 object(s) of 2 chunk(s), {total:,} bytes: checksum, header and codec payload of each",
+        f"sound, per codec: rans 1 ({sizes['kvc/ns1/aaaa/r0g000']:,} bytes), "
+        f"splitzip 1 ({sizes['kvc/ns1/bbbb/r0g000']:,} bytes)",
+        "skipped 1 block ref(s) (143 bytes): index entries, not chunks",
+        "0 damaged object(s)"]
+
+    with open_store(url) as store:
+        blob = bytearray(store.get("kvc/ns1/aaaa/r0g000"))
+        blob[100] ^= 1
+        store.put("kvc/ns1/aaaa/r0g000", bytes(blob))
+    done = kvcodec("verify", url)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.splitlines() == [
+        "damaged: kvc/ns1/aaaa/r0g000: checksum mismatch: the chunk is corrupted",
+        f"checked 2 object(s) of 2 chunk(s), {total:,} bytes: checksum, header and codec payload of each",
+        f"sound, per codec: splitzip 1 ({sizes['kvc/ns1/bbbb/r0g000']:,} bytes)",
+        "skipped 1 block ref(s) (143 bytes): index entries, not chunks",
+        "1 damaged object(s)"]
+
+
 def test_config_prints_valid_json_or_a_clear_error() -> None:
     done = kvcodec("config", "--store", "redis://127.0.0.1:6379/0", "--codec", "splitzip")
     assert done.returncode == 0
