@@ -45,10 +45,20 @@ _HEADER = struct.Struct("<4sH")  # magic, key length; then the key, then the val
 
 def from_url(url: str, read_only: bool = False) -> "FileStore":
     """``file:///abs/path[?max_bytes=10GiB&fsync=1]`` (also ``file:relative/path``); ``read_only``: see FileStore."""
+    path, max_bytes, fsync = _settings(url)
+    return FileStore(path, max_bytes=max_bytes, fsync=fsync, read_only=read_only)
+
+
+def check_url(url: str) -> None:
+    """Refuse what :func:`from_url` would refuse, without touching the filesystem."""
+    _settings(url)
+
+
+def _settings(url: str) -> tuple[str, int | None, bool]:
+    """The directory, ``max_bytes`` and ``fsync`` a file URL names."""
     path, options = _parse_url(url)
     max_bytes = parse_size("max_bytes", options["max_bytes"]) if "max_bytes" in options else None
-    fsync = parse_bool("fsync", options.get("fsync", "0"))
-    return FileStore(path, max_bytes=max_bytes, fsync=fsync, read_only=read_only)
+    return path, max_bytes, parse_bool("fsync", options.get("fsync", "0"))
 
 
 def reads_in_memory_at(url: str) -> bool:
@@ -62,7 +72,8 @@ def _parse_url(url: str) -> tuple[str, dict[str, str]]:
     reject_unknown(options, {"max_bytes", "fsync"}, url)
     parts = urlsplit(base)
     if parts.netloc not in ("", "localhost"):
-        raise StoreURLError(f"file URLs name a local path (file:///abs/path), not host {parts.netloc!r}")
+        raise StoreURLError(f"file URLs name a local path (file:///abs/path), not host {parts.netloc!r}: for the "
+                            f"directory /{parts.netloc}{parts.path} write file:///{parts.netloc}{parts.path}")
     path = unquote(parts.path)
     if not path:
         raise StoreURLError(f"{url!r} names no directory")

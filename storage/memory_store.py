@@ -22,10 +22,19 @@ _SHARED_LOCK = threading.Lock()
 
 def from_url(url: str) -> "MemoryStore":
     """``memory://`` (private) or ``memory://name`` (shared within the process)."""
+    return MemoryStore(_name(url))
+
+
+def check_url(url: str) -> None:
+    """Refuse what :func:`from_url` would refuse (a memory store takes no options)."""
+    _name(url)
+
+
+def _name(url: str) -> str:
     base, options = split_query(url)
     reject_unknown(options, set(), url)
     parts = urlsplit(base)
-    return MemoryStore(unquote(parts.netloc + parts.path))
+    return unquote(parts.netloc + parts.path)
 
 
 def _shared_map(name: str) -> tuple[dict[str, bytes], threading.Lock]:

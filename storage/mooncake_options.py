@@ -51,6 +51,19 @@ class MooncakeOptions:
 
 def parse_mooncake_url(url: str) -> MooncakeOptions:
     """Options from ``url``; raises StoreURLError naming the option and the accepted forms."""
+    options = _checked(url)
+    if options.local_host:
+        return options
+    return dataclasses.replace(options, local_host=_route_to(options.master_host, options.master_port))
+
+
+def check_url(url: str) -> None:
+    """Refuse what :func:`parse_mooncake_url` would refuse, without resolving or reaching any host."""
+    _checked(url)
+
+
+def _checked(url: str) -> MooncakeOptions:
+    """The options ``url`` gives, checked; ``local_host`` empty unless given (finding it needs a route)."""
     base, options = split_query(url)
     reject_unknown(options, KNOWN, url)
     host, port = _master(base, url)
@@ -61,7 +74,7 @@ def parse_mooncake_url(url: str) -> MooncakeOptions:
         master=f"{host}:{port}",
         metadata=options.get("metadata") or f"http://{host}:{DEFAULT_METADATA_PORT}/metadata",
         admin=(options.get("admin") or f"http://{host}:{DEFAULT_ADMIN_PORT}").rstrip("/"),
-        local_host=options.get("local_host") or _route_to(host, port),
+        local_host=options.get("local_host", ""),
         protocol=protocol,
         device=options.get("device", ""),
         segment=_size_or_zero("segment", options.get("segment", "0")),

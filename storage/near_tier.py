@@ -45,6 +45,7 @@ if it has its own query), ``near_bytes`` (required; a size), ``far_queue_bytes``
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -438,6 +439,38 @@ def far_url(url: str) -> str:
 
 def from_url(url: str, open_inner: Callable[[str], Store]) -> NearTier:
     """``cache+<far url>?near=<file:// or memory:// url>&near_bytes=SIZE[&far_queue_bytes=SIZE&far_threads=N&flush_s=S]``."""
+    settings = _settings(url)
+    near = open_inner(settings.near)
+    evictions = _evictions(near) if settings.self_capped else None
+    try:
+        far = open_inner(settings.far)
+    except BaseException:
+        near.close()
+        raise
+    return NearTier(far, near, settings.near_bytes, self_capped=settings.self_capped,
+                    far_queue_bytes=settings.far_queue_bytes, far_threads=settings.far_threads,
+                    flush_s=settings.flush_s, evictions=evictions)
+
+
+def check_url(url: str, check_inner: Callable[[str], object]) -> None:
+    """Refuse what :func:`from_url` would refuse, both tiers' URLs included, without opening anything."""
+    settings = _settings(url)
+    check_inner(settings.near)
+    check_inner(settings.far)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    far: str
+    near: str  # a file near tier's URL carries the cap: it keeps itself under near_bytes by its own LRU
+    self_capped: bool
+    near_bytes: int
+    far_queue_bytes: int
+    far_threads: int
+    flush_s: float
+
+
+def _settings(url: str) -> _Settings:
     base, options = split_query(url[len("cache+") :])
     if "near" not in options or "near_bytes" not in options:
         raise StoreURLError(f"{redact_url(url)} needs near=<file:// or memory:// URL> and near_bytes=<size, e.g. 32GiB>")
@@ -449,26 +482,17 @@ def from_url(url: str, open_inner: Callable[[str], Store]) -> NearTier:
     scheme = near_url.split(":", 1)[0].lower()
     if scheme not in NEAR_SCHEMES:
         raise StoreURLError(f"near={redact_url(near_url)!r}: a near tier is a file:// or memory:// store on this host")
-    near, evictions = _open_near(near_url, scheme, near_bytes, open_inner)
-    try:
-        far = open_inner(far_url(url))
-    except BaseException:
-        near.close()
-        raise
-    return NearTier(far, near, near_bytes, self_capped=evictions is not None, far_queue_bytes=far_queue,
-                    far_threads=far_threads, flush_s=flush_s, evictions=evictions)
+    if scheme == "file":
+        near_base, near_options = split_query(near_url)
+        reject_unknown(near_options, {"fsync"}, near_url)  # the cap is near_bytes, given once
+        near_url = with_query(near_base, {**near_options, "max_bytes": str(near_bytes)})
+    return _Settings(with_query(base, options), near_url, scheme == "file", near_bytes, far_queue, far_threads, flush_s)
 
 
-def _open_near(near_url: str, scheme: str, near_bytes: int,
-               open_inner: Callable[[str], Store]) -> tuple[Store, Callable[[], int] | None]:
-    """The near store; a file one capped at ``near_bytes`` by its own LRU (then also its eviction count)."""
-    if scheme != "file":
-        return open_inner(near_url), None
-    near_base, near_options = split_query(near_url)
-    reject_unknown(near_options, {"fsync"}, near_url)  # the cap is near_bytes, given once
-    store = open_inner(with_query(near_base, {**near_options, "max_bytes": str(near_bytes)}))
-    cap = getattr(getattr(store, "inner", store), "_cap", None)
-    return store, (lambda: cap.evicted) if cap is not None else (lambda: 0)
+def _evictions(near: Store) -> Callable[[], int]:
+    """How many objects a file near tier's own LRU has evicted so far."""
+    cap = getattr(getattr(near, "inner", near), "_cap", None)
+    return (lambda: cap.evicted) if cap is not None else (lambda: 0)
 
 
 __all__ = ["BytesRange", "CheckedRange", "NearTier", "far_url", "from_url", "seal", "unseal"]

@@ -7,6 +7,7 @@ every parse error names the option and the accepted forms.
 
 from __future__ import annotations
 
+import difflib
 import re
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -75,10 +76,13 @@ def with_query(base: str, options: dict[str, str]) -> str:
 
 
 def reject_unknown(options: dict[str, str], known: set[str], url: str) -> None:
+    """A misspelled option is an error naming the nearest known one, never an option silently ignored."""
     unknown = sorted(set(options) - known)
     if unknown:
+        guesses = [g for name in unknown for g in difflib.get_close_matches(name, known, n=1)]
+        hint = f"did you mean {', '.join(guesses)}? " if guesses else ""
         raise StoreURLError(
-            f"unknown option(s) {', '.join(unknown)} in {redact_url(url)}; known: {', '.join(sorted(known)) or 'none'}"
+            f"unknown option(s) {', '.join(unknown)} in {redact_url(url)}; {hint}known: {', '.join(sorted(known)) or 'none'}"
         )
 
 

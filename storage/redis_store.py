@@ -43,7 +43,7 @@ from typing import Any
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
@@ -83,10 +83,7 @@ _UNAVAILABLE = (
 class RedisStore(Store):
     def __init__(self, url: str) -> None:
         super().__init__(redact_url(url))
-        base, options = split_query(url)
-        self._cluster = base.split("://", 1)[0].endswith("+cluster")
-        self._prefix, retries, timeouts = _own_options(options, url)
-        redis_url = with_query(base.replace("+cluster://", "://", 1), options)
+        redis_url, self._cluster, self._prefix, retries, timeouts = _settings(url)
         with self._translate("connect"):
             try:
                 self._client = _make_client(redis_url, self._cluster, retries, timeouts)
@@ -157,6 +154,23 @@ class RedisStore(Store):
             raise StoreUnavailableError(f"{what} on {self.url} failed: {type(exc).__name__}: {exc}") from exc
         except redis.RedisError as exc:
             raise StoreError(f"{what} on {self.url} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def check_url(url: str) -> None:
+    """Refuse what opening ``url`` would refuse for its form (our options and redis-py's), without connecting."""
+    redis_url = _settings(url)[0]
+    try:
+        parse_url(redis_url)  # what the client's pool does with it, short of a connection
+    except ValueError as exc:
+        raise StoreURLError(f"{redact_url(url)}: {exc}") from None
+
+
+def _settings(url: str) -> tuple[str, bool, str, int, dict[str, float]]:
+    """redis-py's URL (our options taken out), whether it names a cluster, the key prefix, retries and timeouts."""
+    base, options = split_query(url)
+    cluster = base.split("://", 1)[0].endswith("+cluster")
+    prefix, retries, timeouts = _own_options(options, url)
+    return with_query(base.replace("+cluster://", "://", 1), options), cluster, prefix, retries, timeouts
 
 
 def _own_options(options: dict[str, str], url: str) -> tuple[str, int, dict[str, float]]:

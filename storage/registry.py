@@ -5,9 +5,13 @@ In the manner of fsspec's ``known_implementations``: a scheme maps to a
 so optional backends (redis-py, the Mooncake client) are imported only when a
 URL asks for them, and a missing one is a clear error naming its extra. A
 *wrapper* scheme (``link+``, ``faults+``) takes another store's URL after its
-``+`` and wraps that store. Configuration validation and every error message
-ask this table (:func:`check_url`, :func:`describe_schemes`), so the list of
-what is accepted lives in one place.
+``+`` and wraps that store. Each scheme also names its ``check``: a function
+that refuses what opening the URL would refuse for its form (every option and
+its value, a wrapped store's URL), without connecting or touching anything.
+Configuration validation and every error message ask this table
+(:func:`check_url`, :func:`describe_schemes`), so what is accepted lives in
+one place, and a misspelled option stops ``kvcodec serve`` before vLLM
+starts rather than the engine 30 s later.
 
 Schemes:
 
@@ -33,6 +37,7 @@ import functools
 import importlib
 import re
 from collections.abc import Callable
+from typing import Any
 
 from storage.base import Store
 from storage.errors import StoreURLError
@@ -46,6 +51,7 @@ _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 class Scheme:
     name: str
     factory: str  # "module:function"; a wrapper's function also takes open_store
+    check: str  # "module:function" refusing a bad URL without opening it; a wrapper's also takes check_url
     example: str
     extra: str = ""  # the pip extra that brings the backend's library
     wrapper: bool = False
@@ -54,6 +60,7 @@ class Scheme:
 
 
 SCHEMES: dict[str, Scheme] = {}
+_REDIS, _REDIS_CHECK = "storage.redis_store:RedisStore", "storage.redis_store:check_url"
 
 
 def register_scheme(scheme: Scheme) -> None:
@@ -61,17 +68,21 @@ def register_scheme(scheme: Scheme) -> None:
 
 
 for _s in (
-    Scheme("file", "storage.file_store:from_url", "file:///path", read_only_option=True),
-    Scheme("memory", "storage.memory_store:from_url", "memory://name"),
-    Scheme("redis", "storage.redis_store:RedisStore", "redis://host:6379/0", "redis"),
-    Scheme("rediss", "storage.redis_store:RedisStore", "rediss://host:6380/0", "redis"),
-    Scheme("redis+cluster", "storage.redis_store:RedisStore", "redis+cluster://host:7000", "redis"),
-    Scheme("rediss+cluster", "storage.redis_store:RedisStore", "rediss+cluster://host:7000", "redis"),
-    Scheme("mooncake", "storage.mooncake_store:MooncakeStore", "mooncake://master:50051?metadata=...", "mooncake",
-           needs="Debian's libibverbs1, even for TCP"),
-    Scheme("link", "storage.testing.link:from_url", "link+<url>?gbps=10&rtt_ms=0.2", wrapper=True),
-    Scheme("faults", "storage.testing.faults:from_url", "faults+<url>?seed=1&drop=0.1", wrapper=True),
-    Scheme("cache", "storage.near_tier:from_url", "cache+<url>?near=file:///nvme/kv&near_bytes=200G", wrapper=True),
+    Scheme("file", "storage.file_store:from_url", "storage.file_store:check_url", "file:///path",
+           read_only_option=True),
+    Scheme("memory", "storage.memory_store:from_url", "storage.memory_store:check_url", "memory://name"),
+    Scheme("redis", _REDIS, _REDIS_CHECK, "redis://host:6379/0", "redis"),
+    Scheme("rediss", _REDIS, _REDIS_CHECK, "rediss://host:6380/0", "redis"),
+    Scheme("redis+cluster", _REDIS, _REDIS_CHECK, "redis+cluster://host:7000", "redis"),
+    Scheme("rediss+cluster", _REDIS, _REDIS_CHECK, "rediss+cluster://host:7000", "redis"),
+    Scheme("mooncake", "storage.mooncake_store:MooncakeStore", "storage.mooncake_options:check_url",
+           "mooncake://master:50051?metadata=...", "mooncake", needs="Debian's libibverbs1, even for TCP"),
+    Scheme("link", "storage.testing.link:from_url", "storage.testing.link:check_url", "link+<url>?gbps=10&rtt_ms=0.2",
+           wrapper=True),
+    Scheme("faults", "storage.testing.faults:from_url", "storage.testing.faults:check_url",
+           "faults+<url>?seed=1&drop=0.1", wrapper=True),
+    Scheme("cache", "storage.near_tier:from_url", "storage.near_tier:check_url",
+           "cache+<url>?near=file:///nvme/kv&near_bytes=200G", wrapper=True),
 ):
     register_scheme(_s)
 
@@ -96,10 +107,17 @@ def scheme_of(url: str) -> Scheme:
 
 
 def check_url(url: str) -> str:
-    """Validate the scheme of ``url`` (and of whatever a wrapper wraps) without opening anything."""
+    """``url``, if opening it would not be refused for its form; raises StoreURLError naming what is wrong.
+
+    Nothing is opened, connected, resolved or created: a store that is down
+    or a directory that does not exist yet passes.
+    """
     scheme = scheme_of(url)
+    check = _function(scheme, scheme.check, url)
     if scheme.wrapper:
-        check_url(url[len(scheme.name) + 1 :])
+        check(url, check_url)
+    else:
+        check(url)
     return url
 
 
@@ -133,7 +151,7 @@ def open_store(url: str, *, read_only: bool = False) -> Store:
     store); a wrapper's inner store is opened read-only as well.
     """
     scheme = scheme_of(url)
-    factory = _factory(scheme, url)
+    factory = _function(scheme, scheme.factory, url)
     if scheme.wrapper:
         store = factory(url, functools.partial(open_store, read_only=True) if read_only else open_store)
     elif read_only and scheme.read_only_option:
@@ -143,8 +161,9 @@ def open_store(url: str, *, read_only: bool = False) -> Store:
     return ReadOnlyStore(store) if read_only else store
 
 
-def _factory(scheme: Scheme, url: str) -> Callable[..., Store]:
-    module, _, name = scheme.factory.partition(":")
+def _function(scheme: Scheme, target: str, url: str) -> Callable[..., Any]:
+    """The ``module:function`` ``target`` of ``scheme``, imported now; a missing library names its extra."""
+    module, _, name = target.partition(":")
     try:
         return getattr(importlib.import_module(module), name)
     except ImportError as exc:

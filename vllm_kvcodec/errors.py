@@ -5,13 +5,31 @@ subclass of :class:`ChunkFormatError`; the connector turns it into "recompute
 these blocks", never into wrong KV.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+
 
 class KVCodecError(Exception):
     """Base class of every error this package raises on purpose."""
 
 
 class ConfigError(KVCodecError, ValueError):
-    """A codec, store or connector was configured with values it cannot use."""
+    """A codec, store or connector was configured with values it cannot use.
+
+    ``problems``, where several settings are wrong at once: one line each,
+    ``<key>: <reason>``. The message is then the heading and one problem per
+    line (a single problem follows the heading on its line), so each reads
+    on its own in a terminal and in a log.
+    """
+
+    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
+        self.heading, self.problems = message, tuple(problems)
+        if len(self.problems) == 1:
+            message = f"{message}: {self.problems[0]}"
+        elif self.problems:
+            message = "\n  ".join([f"{message} ({len(self.problems)} problems):", *self.problems])
+        super().__init__(message)
 
 
 class ChunkFormatError(KVCodecError, ValueError):

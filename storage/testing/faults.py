@@ -245,6 +245,17 @@ def _faults_url(inner: str, seed: int, rates: dict[str, float], delay_s: float) 
 
 def from_url(url: str, open_inner: Callable[[str], Store]) -> FaultInjector:
     """``faults+<store url>?seed=S&drop=P&truncate=P&corrupt=P&delay=P&delay_s=D&swap=P&down=0``."""
+    inner, settings = _settings(url)
+    return FaultInjector(open_inner(inner), **settings)
+
+
+def check_url(url: str, check_inner: Callable[[str], object]) -> None:
+    """Refuse what :func:`from_url` would refuse, the inner store's URL included, without opening anything."""
+    check_inner(_settings(url)[0])
+
+
+def _settings(url: str) -> tuple[str, dict]:
+    """The inner store's URL, and the injector's keyword arguments."""
     base, options = split_query(url[len("faults+") :])
     rates = {k: parse_float(k, options.pop(k)) for k in FAULT_KINDS if k in options}
     seed = parse_int("seed", options.pop("seed", "0"))
@@ -252,4 +263,4 @@ def from_url(url: str, open_inner: Callable[[str], Store]) -> FaultInjector:
     down = parse_bool("down", options.pop("down", "0"))
     if any(p > 1 for p in rates.values()) or sum(rates.values()) > 1 + 1e-9:
         raise StoreURLError(f"fault probabilities in {redact_url(url)} must each be <= 1 and sum to at most 1")
-    return FaultInjector(open_inner(with_query(base, options)), seed=seed, delay_s=delay_s, down=down, **rates)
+    return with_query(base, options), {"seed": seed, "delay_s": delay_s, "down": down, **rates}

@@ -109,9 +109,20 @@ def _link_url(inner: str, gbps: float, rtt_ms: float) -> str:
 
 def from_url(url: str, open_inner: Callable[[str], Store]) -> LinkEmulator:
     """``link+<store url>?gbps=G[&rtt_ms=R]``: the link options are taken out, the rest opens the inner store."""
+    inner, gbps, rtt_ms = _settings(url)
+    return LinkEmulator(open_inner(inner), gbps=gbps, rtt_ms=rtt_ms)
+
+
+def check_url(url: str, check_inner: Callable[[str], object]) -> None:
+    """Refuse what :func:`from_url` would refuse, the inner store's URL included, without opening anything."""
+    check_inner(_settings(url)[0])
+
+
+def _settings(url: str) -> tuple[str, float, float]:
+    """The inner store's URL, and the link's gbps and rtt_ms."""
     base, options = split_query(url[len("link+") :])
     if "gbps" not in options:
         raise StoreURLError(f"{redact_url(url)} needs gbps=<Gbit/s> (and optionally rtt_ms=<ms>)")
     gbps = parse_float("gbps", options.pop("gbps"), minimum=1e-9)
     rtt_ms = parse_float("rtt_ms", options.pop("rtt_ms", "0"))
-    return LinkEmulator(open_inner(with_query(base, options)), gbps=gbps, rtt_ms=rtt_ms)
+    return with_query(base, options), gbps, rtt_ms

@@ -102,9 +102,11 @@ def test_unknown_specs_and_untransferable_groups_are_refused() -> None:
 def test_window_and_alignment_limits() -> None:
     with pytest.raises(ConfigError, match="chunk_size <= 300"):
         cache_groups_for(config(attn("SlidingWindowSpec", sliding_window=300)), 128, 512)
-    mixed = config(attn("FullAttentionSpec"), attn("FullAttentionSpec", block_size=96))
-    with pytest.raises(ConfigError, match="hit\\s+alignment \\(384 tokens"):
-        cache_groups_for(mixed, 128, 256)
+    mixed = cache_groups_for(config(attn("FullAttentionSpec"), attn("FullAttentionSpec", block_size=96)), 128, 256)
+    assert mixed.hit_alignment == 384
+    with pytest.raises(ConfigError, match=r"hit alignment \(384 tokens, the KV cache groups' block sizes \[128, 96\]"):
+        ConnectorConfig(chunk_size=256).for_engine("kv_both", 128, mixed.hit_alignment,
+                                                   alignment_from=mixed.alignment_source)
 
 
 def test_load_mode_is_async_with_several_groups() -> None:

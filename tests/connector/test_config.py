@@ -38,11 +38,55 @@ def test_bad_values_name_the_key(extra: dict, message: str) -> None:
         ConnectorConfig.from_extra_config(extra)
 
 
-def test_chunk_size_must_be_a_multiple_of_the_block_size() -> None:
+def test_chunk_size_must_be_a_multiple_of_the_block_size_and_the_hit_alignment() -> None:
+    """The messages docs/troubleshooting.md heads its sections with, each with the nearest chunk sizes that fit."""
     config = ConnectorConfig.from_extra_config({"chunk_size": 96})
-    config.check_block_size(32)
-    with pytest.raises(ConfigError, match="multiple of vLLM's block_size 64"):
-        config.check_block_size(64)
+    assert config.for_engine("kv_both", 32, 32).chunk_size == 96
+    with pytest.raises(ConfigError) as err:
+        config.for_engine("kv_both", 64, block_from="the --block-size given")
+    assert str(err.value) == ("chunk_size 96 must be a multiple of vLLM's block_size 64 (the --block-size given); "
+                              "use chunk_size 64 or 128")
+    with pytest.raises(ConfigError) as err:
+        config.for_engine("kv_both", 32, 64, alignment_from="two groups")
+    assert str(err.value) == ("chunk_size 96 must be a multiple of vLLM's prefix-cache hit alignment (64 tokens, "
+                              "two groups); use chunk_size 64 or 128")
+    with pytest.raises(ConfigError, match="contradicts kv_role"):  # the role is resolved by the same routine
+        ConnectorConfig.from_extra_config({"save": True}).for_engine("kv_consumer", 32)
+
+
+def test_several_problems_read_one_per_line_in_the_checks_own_words() -> None:
+    with pytest.raises(ConfigError) as err:
+        ConnectorConfig.from_extra_config({"store": "file://tmp/kv", "chunk_sise": 256, "lookup": "lazy"})
+    assert str(err.value).splitlines() == [
+        "invalid kv_connector_extra_config for KVCodecConnector (3 problems):",
+        "  store: file URLs name a local path (file:///abs/path), not host 'tmp': for the directory /tmp/kv write "
+        "file:///tmp/kv",
+        "  lookup: Input should be 'auto', 'sync' or 'async'",
+        "  chunk_sise: not a key of KVCodecConnector; did you mean chunk_size? the keys are in docs/configuration.md",
+    ]
+    with pytest.raises(ConfigError) as err:
+        ConnectorConfig.from_extra_config({"codec": "gzip"})
+    assert str(err.value).startswith("invalid kv_connector_extra_config for KVCodecConnector: codec: unknown codec")
+    assert "\n" not in str(err.value) and "Value error" not in str(err.value)
+
+
+@pytest.mark.parametrize("store,message", [
+    ("redis://127.0.0.1:6379/0?read_timout=1", "unknown option.*read_timout.*did you mean read_timeout"),
+    ("file://tmp/kvstore", "write file:///tmp/kvstore"),
+    ("mooncake://m:50051?protocl=tcp", "did you mean protocol"),
+    ("cache+redis://h:6379/0?near=file:///nvme/kv", "needs near=.* and near_bytes="),
+])
+def test_store_urls_are_checked_by_the_store_registry_without_connecting(store: str, message: str,
+                                                                         tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=f"store: .*{message}"):
+        ConnectorConfig.from_extra_config({"store": store})
+    # a store that is down or does not exist yet passes: the check is of the URL's form, and touches nothing
+    missing = tmp_path / "not" / "yet"
+    for url in (f"file://{missing}?max_bytes=1GiB&fsync=1", "redis://127.0.0.1:1/0?read_timeout=0.5&prefix=kv/",
+                f"cache+redis://127.0.0.1:1/0?near=file://{missing}&near_bytes=1G", "faults+memory://?drop=0.5",
+                "link+redis+cluster://127.0.0.1:1?gbps=10&connect_timeout=1", "mooncake://unresolvable.invalid:1"):
+        assert ConnectorConfig.from_extra_config({"store": url}).store == url
+    assert not missing.parent.exists()
 
 
 def test_layer_groups_cover_every_layer_once() -> None:

@@ -63,3 +63,36 @@ def test_log_lines_reach_vllms_handler_at_vllms_level() -> None:
     finally:
         vllm_logger.removeHandler(handler)
     assert [r.getMessage() for r in seen] == ["kvcodec worker: loaded_tokens=1", "from a child logger"]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("store,extra,block_size,lines", [
+    ("memory://?size=1", {"chunk_sise": 64}, 16, [
+        "kvcodec: refusing to start: invalid kv_connector_extra_config for KVCodecConnector: store: unknown option(s) "
+        "size in memory://?size=1; known: none",
+        "kvcodec: refusing to start: invalid kv_connector_extra_config for KVCodecConnector: chunk_sise: not a key of "
+        "KVCodecConnector; did you mean chunk_size? the keys are in docs/configuration.md"]),
+    ("memory://", {"chunk_size": 320}, 128, [
+        "kvcodec: refusing to start: chunk_size 320 must be a multiple of vLLM's block_size 128; use chunk_size 256 "
+        "or 384"]),
+])
+def test_a_refused_start_up_logs_one_error_line_per_problem_through_vllms_logging(
+        tmp_path: Path, store: str, extra: dict, block_size: int, lines: list[str]) -> None:
+    """The connector in vLLM's real Scheduler, refused: each problem an ERROR line of its own, before the raise."""
+    import vllm.logger  # noqa: F401 - configures vLLM's logger, as in every vLLM process
+
+    from tests.support.scheduler_harness import Engine
+    from vllm_kvcodec.errors import ConfigError
+
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = seen.append  # type: ignore[method-assign]
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(handler)
+    try:
+        with pytest.raises(ConfigError):
+            Engine(tmp_path, store, block_size=block_size, **extra)
+    finally:
+        vllm_logger.removeHandler(handler)
+    assert [r.getMessage() for r in seen if r.name == "vllm_kvcodec"] == lines
+    assert all(r.levelno == logging.ERROR for r in seen if r.name == "vllm_kvcodec")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from storage import StoreError, StoreURLError, open_store
+from storage import StoreError, StoreURLError, check_url, open_store
 from storage.file_store import FileStore
 from storage.memory_store import MemoryStore
 from storage.near_tier import TRAILER_BYTES, NearTier, seal
@@ -228,8 +228,11 @@ def test_real_kv_chunks_round_trip_bit_exact_through_a_redis_far_store(redis_url
     ("cache+memory://?near=file:///tmp/x%3Fmax_bytes%3D1G&near_bytes=1G", "unknown option"),
     ("cache+memory://?near=memory://&near_bytes=1G&far_threads=0", "must be >= 1"),
     ("cache+memory://?near=memory://&near_bytes=1G&colour=red", "unknown option"),
+    ("cache+redis://h:6379/0?near=memory://&near_bytes=1G&read_timout=1", "did you mean read_timeout"),
 ])
 def test_bad_cache_urls_are_one_clear_error(url: str, message: str) -> None:
+    with pytest.raises(StoreURLError, match=message):
+        check_url(url)  # what the connector's config runs: the same refusal, nothing opened
     with pytest.raises(StoreURLError, match=message):
         open_store(url)
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from storage import StoreError, StoreUnavailableError, StoreURLError, open_store
+from storage import StoreError, StoreUnavailableError, StoreURLError, check_url, open_store
 from storage.mooncake_frame import trailer
 from storage.mooncake_options import parse_mooncake_url
 from storage.testing.mooncake_server import MooncakePool
@@ -229,9 +229,12 @@ def test_url_defaults_follow_mooncake_master() -> None:
         ("mooncake://m?segment=lots", "not a size"),
         ("mooncake://m?replicas=0", "must be >= 1"),
         ("mooncake://m?timeout_s=0", "must be a finite number"),
+        ("mooncake://m?protocl=tcp", "did you mean protocol"),
     ],
 )
 def test_bad_mooncake_urls_are_rejected_clearly(url: str, message: str) -> None:
+    with pytest.raises(StoreURLError, match=message):
+        check_url(url)  # what the connector's config runs: the same refusal, no host resolved or reached
     with pytest.raises(StoreURLError, match=message):
         open_store(url)
 

@@ -25,6 +25,7 @@ from storage import (
     StoreError,
     StoreUnavailableError,
     StoreURLError,
+    check_url,
     open_store,
 )
 from storage.file_store import FileStore
@@ -417,9 +418,18 @@ def test_link_from_url_wraps_the_inner_store(tmp_path: Path) -> None:
         ("redis://localhost:6379/0?socket_timeout=-1", "must be a finite number"),
         ("redis://localhost:6379/0?bogus=1", "unknown option"),
         ("redis://localhost:6379/0?connect_timeout=1&socket_connect_timeout=2", "not both"),
+        ("redis://localhost:6379/0?read_timout=1", "unknown option.*did you mean read_timeout"),
+        ("redis://localhost:63x9/0", "Port could not be cast"),
+        ("redis://localhost:6379/0?max_connections=many", "Invalid value for 'max_connections'"),
+        ("faults+memory://?seed=one", "not an integer"),
+        ("faults+memory://?drop=0.1&colour=blue", "unknown option"),
+        ("link+file://tmp/x?gbps=1", "write file:///tmp/x"),
     ],
 )
 def test_bad_urls_are_rejected_clearly(url: str, message: str) -> None:
+    """Opening refuses them, and so does check_url (what the connector's config runs) without opening anything."""
+    with pytest.raises(StoreURLError, match=message):
+        check_url(url)
     with pytest.raises(StoreURLError, match=message):
         open_store(url)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -149,6 +150,43 @@ def test_inspect_and_verify_a_store(tmp_path) -> None:
         assert store.get("other/key") == b"not ours"  # only connector objects are touched
 
 
+def test_verify_says_what_it_checked_in_an_empty_a_sound_and_a_damaged_store(tmp_path) -> None:
+    from storage import open_store
+
+    empty = f"file://{tmp_path / 'empty'}"
+    open_store(empty).close()  # the directory exists, with nothing in it
+    done = kvcodec("verify", empty)
+    assert done.returncode == 0 and done.stdout.splitlines() == [
+        "the store is empty: no chunk objects under kvc/; nothing was checked"], done.stdout + done.stderr
+
+    url = _stored(tmp_path)
+    with open_store(url) as store:
+        sizes = {key: len(store.get(key)) for key in ("kvc/ns1/aaaa/r0g000", "kvc/ns1/bbbb/r0g000")}
+        store.put("kvc/ns1/aaaa/ref", b"r" * 143)  # a block ref: an index entry, not checked as a chunk
+    total = sum(sizes.values())
+    done = kvcodec("verify", url)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == [
+        f"checked 2 object(s) of 2 chunk(s), {total:,} bytes: checksum, header and codec payload of each",
+        f"sound, per codec: rans 1 ({sizes['kvc/ns1/aaaa/r0g000']:,} bytes), "
+        f"splitzip 1 ({sizes['kvc/ns1/bbbb/r0g000']:,} bytes)",
+        "skipped 1 block ref(s) (143 bytes): index entries, not chunks",
+        "0 damaged object(s)"]
+
+    with open_store(url) as store:
+        blob = bytearray(store.get("kvc/ns1/aaaa/r0g000"))
+        blob[100] ^= 1
+        store.put("kvc/ns1/aaaa/r0g000", bytes(blob))
+    done = kvcodec("verify", url)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.splitlines() == [
+        "damaged: kvc/ns1/aaaa/r0g000: checksum mismatch: the chunk is corrupted",
+        f"checked 2 object(s) of 2 chunk(s), {total:,} bytes: checksum, header and codec payload of each",
+        f"sound, per codec: splitzip 1 ({sizes['kvc/ns1/bbbb/r0g000']:,} bytes)",
+        "skipped 1 block ref(s) (143 bytes): index entries, not chunks",
+        "1 damaged object(s)"]
+
+
 def test_config_prints_valid_json_or_a_clear_error() -> None:
     done = kvcodec("config", "--store", "redis://127.0.0.1:6379/0", "--codec", "splitzip")
     assert done.returncode == 0
@@ -196,6 +234,58 @@ def test_inspect_and_verify_change_nothing_in_the_store(tmp_path) -> None:
     before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "store").rglob("*"))
     assert kvcodec("inspect", url).returncode == 0 and kvcodec("verify", url).returncode == 0
     assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "store").rglob("*")) == before
+
+
+def smollm2() -> str:
+    from vllm_kvcodec.tools.smollm2 import model_dir
+
+    return str(model_dir())
+
+
+@pytest.mark.parametrize("args,culprit", [
+    (["--store", "redis://127.0.0.1:6379/0?read_timout=1"],
+     "store: unknown option(s) read_timout in redis://127.0.0.1:6379/0?read_timout=1; did you mean read_timeout?"),
+    (["--store", "file://tmp/kvstore"],
+     "store: file URLs name a local path (file:///abs/path), not host 'tmp': for the directory /tmp/kvstore write "
+     "file:///tmp/kvstore"),
+    (["--connector-config", '{"chunk_size": 320}', "--block-size", "128"],
+     "chunk_size 320 must be a multiple of vLLM's block_size 128 (the --block-size given); use chunk_size 256 or 384"),
+    (["--connector-config", '{"chunk_size": 320}'],
+     "chunk_size 320 must be a multiple of vLLM's block_size 128 (vLLM's default on this machine; --block-size sets "
+     "it); use chunk_size 256 or 384"),
+    (["--codec", "gzip"], "codec: unknown codec 'gzip'"),
+    (["--connector-config", '{"chunk_sise": 320}'],
+     "chunk_sise: not a key of KVCodecConnector; did you mean chunk_size?"),
+    (["--connector-config", '{"save_codec_when_behind": "lzma"}'], "save_codec_when_behind: unknown codec 'lzma'"),
+])
+def test_serve_refuses_a_bad_setting_in_one_line_before_vllm_starts(args: list[str], culprit: str) -> None:
+    """Exit status 2 and the culprit on one line; nothing from vLLM (no engine, no server: it never started)."""
+    done = kvcodec("serve", smollm2(), *args, "--dtype", "bfloat16", "--max-model-len", "2048", timeout=120)
+    line = one_line_error(done)
+    assert culprit in line, line
+    assert not re.search(r"(INFO|WARNING|ERROR) \d\d-\d\d ", done.stdout + done.stderr)  # no line of vLLM's logging
+
+
+@pytest.mark.parametrize("args,culprit", [
+    (["--store", "redis://127.0.0.1:6379/0?read_timout=1"], "did you mean read_timeout?"),
+    (["--store", "file://tmp/kvstore"], "write file:///tmp/kvstore"),
+    (["--chunk-size", "320", "--block-size", "128"], "chunk_size 320 must be a multiple of vLLM's block_size 128"),
+])
+def test_config_refuses_what_vllm_would_refuse_later(args: list[str], culprit: str) -> None:
+    assert culprit in one_line_error(kvcodec("config", *args))
+
+
+def test_several_bad_settings_are_one_line_each() -> None:
+    done = kvcodec("serve", smollm2(), "--store", "file://tmp/kv",
+                   "--connector-config", '{"lookup": "lazy", "chunk_sise": 1}')
+    assert done.returncode == 2 and not done.stdout
+    assert [line for line in done.stderr.splitlines() if not line.startswith("Triton is installed")] == [
+        "error: invalid kv_connector_extra_config for KVCodecConnector (3 problems):",
+        "  store: file URLs name a local path (file:///abs/path), not host 'tmp': for the directory /tmp/kv write "
+        "file:///tmp/kv",
+        "  lookup: Input should be 'auto', 'sync' or 'async'",
+        "  chunk_sise: not a key of KVCodecConnector; did you mean chunk_size? the keys are in docs/configuration.md",
+    ]
 
 
 def test_config_says_which_block_sizes_a_chunk_size_fits() -> None:

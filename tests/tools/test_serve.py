@@ -8,7 +8,8 @@ names the connector only by ``"kv_connector": "KVCodecConnector"``, found
 through the package's ``vllm.general_plugins`` entry point; the same request
 loads the prefix, and its /metrics and log show what it did. The second starts while
 the first works (each start is mostly one core's imports of vLLM); it is sent
-nothing until the first has stopped.
+nothing until the first has stopped. A third, on its own, is refused by the
+connector: its log must say why in one line.
 """
 
 from __future__ import annotations
@@ -129,3 +130,25 @@ def check_log_lines(log: str) -> None:
     assert re.search(r"INFO .*kvcodec: 30 KV layers, 30 per stored object", log), log[-3000:]
     assert re.search(r"INFO .*kvcodec scheduler: .*hit_chunks=3", log), log[-3000:]
     assert re.search(r"INFO .*kvcodec worker: .*loaded_tokens=768", log), log[-3000:]
+
+
+def test_plain_vllm_serve_logs_why_the_connector_refuses_to_start_in_one_error_line(tmp_path: Path) -> None:
+    """vLLM answers a connector's refusal with pages of traceback from several processes; the cause and the fix
+    stand in an ERROR line of the connector's own, logged before it raised."""
+    import subprocess
+    import sys
+
+    from tests.support.vllm_server import ROOT, free_port
+
+    transfer = {"kv_connector": "KVCodecConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"store": f"file://{tmp_path / 'store'}", "chunk_size": 320}}
+    argv = [sys.executable, "-m", "vllm_kvcodec.tools.vllm_cli", "serve", model(), "--kv-transfer-config",
+            json.dumps(transfer), *ENGINE_ARGS, "--port", str(free_port())]  # ENGINE_ARGS: --block-size 128
+    env = server_env(PYTHONPATH=f"{entry_points_dir(tmp_path / 'plugin')}:{server_env()['PYTHONPATH']}")
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    lines = [line for line in output.splitlines() if "kvcodec: refusing to start" in line]
+    assert lines, output[-3000:]
+    assert all(re.search(r"ERROR \d\d-\d\d .*\] kvcodec: refusing to start: chunk_size 320 must be a multiple of "
+                         r"vLLM's block_size 128; use chunk_size 256 or 384$", line) for line in lines), lines

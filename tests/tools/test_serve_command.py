@@ -41,12 +41,65 @@ def test_the_users_shutdown_bounds_are_kept_and_a_short_one_is_pointed_out() -> 
     ("--dtype", {}, [], "MODEL comes first"),
     ("MODEL", {}, ["--kv-transfer-config", "{}"], "writes --kv-transfer-config itself"),
     ("MODEL", {"codec": "lzma"}, [], "unknown codec 'lzma'"),
-    ("MODEL", {"chunk_size": 100}, [], "fits no vLLM block size.*multiple of 32 on vLLM's CPU backend"),
     ("MODEL", {"store": "s3://x"}, [], "unknown store scheme"),
+    ("MODEL", {"store": "redis://h:6379/0?read_timout=1"}, [], "did you mean read_timeout"),
 ])
 def test_bad_arguments_stop_before_vllm_starts(model: str, extra: dict, args: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         plan_serve(model, extra, args, environ={})
+
+
+def no_platform_default() -> None:
+    """What a CUDA machine answers: the model's attention backend chooses the block size, not the platform."""
+    return None
+
+
+REFUSED_320 = (r"chunk_size 320 must be a multiple of vLLM's (block_size|prefix-cache hit alignment).*; "
+               r"use chunk_size \d+ or \d+$")
+
+
+@pytest.mark.parametrize("args,refused,accepted", [
+    (["--block-size", "{}"], "128", "64"),
+    (["--block-size={}"], "128", "64"),
+    (["--block_size", "{}"], "128", "64"),  # vLLM's parser takes underscores for dashes
+    (["--block", "{}"], "128", "64"),  # and argparse abbreviations
+    (["--block-size", "128", "--block-size", "{}"], "96", "64"),  # the last one wins
+    (["--block-size", "64", "-dcp", "{}"], "2", "5"),  # hits land on the scheduler's blocks: 64 x dcp tokens
+    (["--block-size", "64", "--decode-context-parallel-size={}"], "2", "5"),
+])
+def test_chunk_size_is_checked_against_the_block_size_vllm_will_use(args: list[str], refused: str,
+                                                                    accepted: str) -> None:
+    extra = {"chunk_size": 320}
+    with pytest.raises(ConfigError, match=REFUSED_320):
+        plan_serve("MODEL", extra, [a.format(refused) for a in args], environ={})
+    plan = plan_serve("MODEL", extra, [a.format(accepted) for a in args], environ={})
+    assert json.loads(plan.argv[3])["kv_connector_extra_config"] == extra
+
+
+def no_platform_default() -> None:
+    """What a CUDA machine answers: the model's attention backend chooses the block size, not the platform."""
+    return None
+
+
+def test_without_block_size_the_platforms_default_is_the_rule() -> None:
+    with pytest.raises(ConfigError, match=r"chunk_size 320 must be a multiple of vLLM's block_size 128 \(vLLM's default "
+                                          r"on this machine; --block-size sets it\); use chunk_size 256 or 384"):
+        plan_serve("MODEL", {"chunk_size": 320}, [], environ={})  # the CPU: 128
+    assert plan_serve("MODEL", {"chunk_size": 320}, ["--config", "serve.yaml"], environ={})  # the file may set it
+    assert plan_serve("MODEL", {"chunk_size": 320}, [], environ={}, default_block_size=no_platform_default)
+    with pytest.raises(ConfigError, match="fits no vLLM block size.*multiple of 32 on vLLM's CPU backend"):
+        plan_serve("MODEL", {"chunk_size": 100}, [], environ={}, default_block_size=no_platform_default)
+
+
+def test_the_cpu_default_block_size_is_vllms() -> None:
+    """What vLLM's own config makes of SmolLM2 on this CPU without --block-size."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvcodec.tools.block_sizes import platform_default_block_size
+    from vllm_kvcodec.tools.smollm2 import model_dir
+
+    config = EngineArgs(model=str(model_dir()), dtype="bfloat16", enforce_eager=True, max_model_len=2048)
+    assert config.create_engine_config().cache_config.block_size == platform_default_block_size() == 128
 
 
 def _lookup(known: dict[str, str]):

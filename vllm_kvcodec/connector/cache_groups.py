@@ -108,6 +108,13 @@ class CacheGroups:
     def block_sizes(self) -> list[int]:
         return [g.block_size for g in self.groups]
 
+    @property
+    def alignment_source(self) -> str:
+        """Where ``hit_alignment`` comes from, for a chunk_size refusal."""
+        if self.multi:
+            return f"the KV cache groups' block sizes {self.block_sizes}"
+        return "vLLM's scheduler block: block_size x decode_context_parallel_size"
+
     def of_layer(self, name: str) -> int:
         for i, g in enumerate(self.groups):
             if name in g.layers:
@@ -163,15 +170,13 @@ def single_group(block_size: int) -> CacheGroups:
 
 
 def cache_groups_for(kv_cache_config: Any, block_size: int, chunk_size: int) -> CacheGroups:
-    """The groups of ``kv_cache_config``; raises :class:`ConfigError` naming any kind not covered."""
+    """The groups of ``kv_cache_config`` and where hits land; raises :class:`ConfigError` naming any kind not
+    covered (``chunk_size``: only against a sliding window)."""
     if kv_cache_config is None or not getattr(kv_cache_config, "kv_cache_groups", None):
         return single_group(block_size)
     groups = tuple(_group(i, g, chunk_size) for i, g in enumerate(kv_cache_config.kv_cache_groups))
     alignment = getattr(kv_cache_config, "cache_hit_alignment_tokens", None) or math.lcm(*(g.block_size for g in groups))
-    if chunk_size % alignment:
-        raise ConfigError(f"kvcodec: chunk_size {chunk_size} must be a multiple of vLLM's prefix-cache hit "
-                          f"alignment ({alignment} tokens, the KV cache groups' block sizes {[g.block_size for g in groups]})")
-    return CacheGroups(groups, alignment)
+    return CacheGroups(groups, alignment)  # chunk_size against the alignment: ConnectorConfig.for_engine
 
 
 def _group(index: int, group: Any, chunk_size: int) -> CacheGroup:

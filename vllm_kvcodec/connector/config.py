@@ -7,6 +7,7 @@ the key, instead of failing on the first request.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -34,7 +35,7 @@ class ConnectorConfig(BaseModel):
 
     store: str = Field(default_factory=default_store_url, description=f"Store URL, one of: {describe_schemes()} (see docs/stores.md).")
     codec: str | dict[str, Any] | None = Field(None, description="Codec id or config dict (raw, zstd, splitzip, rans, video), 'auto' to pick by measured link and codec speed, or null for the densest codec the model's dtype allows (rans; zstd for float16).")
-    chunk_size: int = Field(256, gt=0, description="Tokens per stored chunk; a multiple of vLLM's block_size.")
+    chunk_size: int = Field(256, gt=0, description="Tokens per stored chunk; a multiple of vLLM's block_size and of its prefix-cache hit alignment (the block size, times decode_context_parallel_size; for a hybrid model the least common multiple of its KV cache groups' block sizes). kvcodec serve checks it against --block-size (or vLLM's default: 128 on the CPU) before vLLM starts.")
     block_hits: bool = Field(True, validation_alias=AliasChoices("block_hits", "prompt_tails"), description="Hits end where vLLM's own prefix cache would end for the same prompt: on the last whole block the stored prefix covers, not on the last whole chunk. Every saved object also gets a tiny ref per whole-block prefix of it (about 143 bytes; chunk_size / block_size - 1 per chunk, written by one rank after the object landed), each request's prompt tail past its last full chunk is stored (whole blocks up to the block holding its last token), and so is, when it finishes, the part of prompt plus answer past its last full chunk (a chat's next turn). A prompt that shares 1400 tokens with a stored one then loads 1376 (block 32), as a local hit would, and computes the same greedy tokens: bf16 prefill of a longer suffix over a shorter hit rounds differently. false: hits end on whole chunks, tails are not stored (up to chunk_size - 1 tokens more recomputed per hit); the old name prompt_tails is accepted (see docs/architecture.md, \"Where a hit ends\").")
     layers_per_object: int = Field(0, ge=0, description="Layers per stored object, so loads stream layer group by layer group. 0: every layer in one object where loads wait whole anyway (page objects into a CPU engine, with load_wait 'whole', or 'auto' and a store on this host: a file or memory store): each object costs its own reads, checks and hand-offs, and a raw 4096-token load took 25 ms in 16 objects against 44 ms in 96 from the local disk, 54 against 87 ms behind an emulated 100 Gbit/s link (2 cores); other page objects into a CPU engine about 3 groups (a 4096-token load behind a 10 Gbit/s link: raw 140 ms in 3 groups against 150 in 6, zstd 149 against 186; 1 Gbit/s: 9-15 ms slower, the last group's prefill no longer hidden), elsewhere (GPU engines, canonical objects shared across platforms) about 6. Part of the keys: engines share chunks only with the same value.")
     load_mode: Literal["sync", "async"] = Field("sync", description="sync: prefill of the suffix waits per layer; async: the request waits aside (WAITING_FOR_REMOTE_KVS) until its prefix is loaded.")
@@ -98,7 +99,23 @@ class ConnectorConfig(BaseModel):
         try:
             return cls(**(extra or {}))
         except ValidationError as exc:
-            raise ConfigError(f"invalid kv_connector_extra_config for KVCodecConnector:\n{_explain(exc)}") from None
+            raise ConfigError("invalid kv_connector_extra_config for KVCodecConnector", _problems(exc)) from None
+
+    def for_engine(self, kv_role: str | None, block_size: int, hit_alignment: int | None = None, *,
+                   block_from: str = "", alignment_from: str = "") -> "ConnectorConfig":
+        """These settings for an engine of ``kv_role`` with ``block_size`` blocks whose prefix-cache hits land on
+        multiples of ``hit_alignment``: ``save`` and ``load`` resolved, ``chunk_size`` checked (ConfigError if not).
+
+        The one check both doors run: ``kvcodec serve`` and ``kvcodec config``
+        with what the command line says, before vLLM starts, and the
+        connector at start-up with what vLLM resolved, so a setting is
+        refused alike at both, and at the first within seconds.
+        ``block_from`` and ``alignment_from`` say where the numbers come from.
+        """
+        config = self.for_role(kv_role)
+        check_chunk_size(config.chunk_size, block_size, hit_alignment, block_from=block_from,
+                         alignment_from=alignment_from)
+        return config
 
     def for_role(self, kv_role: str | None) -> "ConnectorConfig":
         """``save`` and ``load`` resolved against vLLM's ``kv_role``; a contradiction is a one-line ConfigError.
@@ -137,12 +154,6 @@ class ConnectorConfig(BaseModel):
         from storage import reads_in_memory
 
         return self.prefetch_bytes > 0 and self.load is not False and not reads_in_memory(self.store)
-
-    def check_block_size(self, block_size: int) -> None:
-        if self.chunk_size % block_size:
-            raise ConfigError(
-                f"chunk_size {self.chunk_size} must be a multiple of vLLM's block_size {block_size}"
-            )
 
     def object_layout_id(self, block_size: int) -> str:
         """The key namespace's name for what objects hold (see vllm_kvcodec/paged/objects.py)."""
@@ -189,9 +200,37 @@ class ConnectorConfig(BaseModel):
         return on_cpu and self._object_kind() == "pages" and waits_whole
 
 
-def _explain(exc: ValidationError) -> str:
-    lines = []
+def check_chunk_size(chunk_size: int, block_size: int, hit_alignment: int | None = None, *, block_from: str = "",
+                     alignment_from: str = "") -> None:
+    """A stored chunk is whole vLLM blocks, and a hit the connector reports must land where vLLM's hits may."""
+    if chunk_size % block_size:
+        raise ConfigError(f"chunk_size {chunk_size} must be a multiple of vLLM's block_size {block_size}"
+                          f"{f' ({block_from})' if block_from else ''}; use {_multiples_near(chunk_size, block_size)}")
+    if hit_alignment and chunk_size % hit_alignment:
+        why = f", {alignment_from}" if alignment_from else ""
+        raise ConfigError(f"chunk_size {chunk_size} must be a multiple of vLLM's prefix-cache hit alignment "
+                          f"({hit_alignment} tokens{why}); use {_multiples_near(chunk_size, hit_alignment)}")
+
+
+def _multiples_near(chunk_size: int, unit: int) -> str:
+    below = chunk_size // unit * unit
+    return "chunk_size " + " or ".join(str(c) for c in (below, below + unit) if c > 0)
+
+
+def _problems(exc: ValidationError) -> list[str]:
+    """``<key>: <reason>`` per problem, in the words of the check that failed (no pydantic prefixes)."""
+    problems = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(config)"
-        lines.append(f"  {where}: {err['msg']}")
-    return "\n".join(lines)
+        problems.append(f"{where}: {_reason(err)}")
+    return problems
+
+
+def _reason(err: Any) -> str:
+    if err["type"] == "value_error":  # a validator's own message, without pydantic's "Value error, "
+        return str(err["ctx"]["error"])
+    if err["type"] == "extra_forbidden":
+        guess = difflib.get_close_matches(str(err["loc"][-1]), ConnectorConfig.model_fields, n=1)
+        hint = f"did you mean {guess[0]}? " if guess else ""
+        return f"not a key of KVCodecConnector; {hint}the keys are in docs/configuration.md"
+    return err["msg"]

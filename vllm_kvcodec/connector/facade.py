@@ -40,7 +40,7 @@ from vllm_kvcodec.connector.kv_events import store_events_for
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
 from vllm_kvcodec.connector.scheduler_half import SchedulerHalf
 from vllm_kvcodec.connector.transfer_stats import KVCodecTransferStats
-from vllm_kvcodec.connector.vllm_logging import follow_vllm_logging
+from vllm_kvcodec.connector.vllm_logging import follow_vllm_logging, refusal_logged
 from vllm_kvcodec.stats import StoreTierCounters, summarize
 from vllm_kvcodec.connector.worker_half import WorkerHalf
 
@@ -72,15 +72,26 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         follow_vllm_logging()  # before the first line is logged; also without the plug-in (module path)
+        with refusal_logged():
+            self._set_up(vllm_config, role, kv_cache_config)
+        self.created = next(_CREATED)
+        self._last_log = time.monotonic()
+        self._outages_reported = 0
+        self._tier_counters: StoreTierCounters | None = None  # a cache+ store's near/far counters (set on first stats)
+        _LIVE.add(self)
+
+    def _set_up(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None") -> None:
+        """Check the settings against the engine, then build this role's half."""
         transfer = vllm_config.kv_transfer_config
-        self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config).for_role(transfer.kv_role)
+        config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
         check_uniform_cache_dtype(vllm_config.cache_config)
         # A model the connector cannot serve is refused by name before any chunk_size arithmetic: hybrid models
         # raise vLLM's block size (256 for Qwen3-Next on AVX-512 hosts), and "chunk_size must be a multiple of
         # block_size" would send its user to tune a setting that cannot help.
-        cache_groups = cache_groups_for(kv_cache_config, block_size, self.config.chunk_size)
-        self.config.check_block_size(block_size)
+        cache_groups = cache_groups_for(kv_cache_config, block_size, config.chunk_size)
+        self.config = config.for_engine(transfer.kv_role, block_size, cache_groups.hit_alignment,
+                                        alignment_from=cache_groups.alignment_source)
         self.config = self.config.model_copy(update={"load_mode": load_mode(self.config, cache_groups)})
         namespace = build_namespace(vllm_config, self.config, cache_groups, kv_cache_config)
         groups = namespace.layer_groups()
@@ -96,11 +107,6 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
             first_group, stage_groups = namespace.stage_groups(_pp_rank())
             self.worker = WorkerHalf(vllm_config, self.config, namespace, stage_groups, _tp_rank(), cache_groups,
                                      first_group=first_group, loaders=loading_workers(vllm_config))
-        self.created = next(_CREATED)
-        self._last_log = time.monotonic()
-        self._outages_reported = 0
-        self._tier_counters: StoreTierCounters | None = None  # a cache+ store's near/far counters (set on first stats)
-        _LIVE.add(self)
 
     # ---- worker side ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

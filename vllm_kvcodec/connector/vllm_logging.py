@@ -13,12 +13,17 @@ logger's handlers as they are at the time of each record, so whatever vLLM was
 told (``VLLM_LOGGING_LEVEL``, ``VLLM_LOGGING_CONFIG_PATH``, its JSON format,
 ``VLLM_CONFIGURE_LOGGING=0``) applies to these lines too. A deployment that
 configured ``vllm_kvcodec`` itself (a handler or a level of its own) is left
-alone.
+alone. :func:`refusal_logged` puts why the connector refuses to start into
+that log, ahead of vLLM's traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
+
+from vllm_kvcodec.errors import ConfigError, KVCodecError
 
 PACKAGE_LOGGER = "vllm_kvcodec"
 
@@ -40,3 +45,23 @@ def follow_vllm_logging() -> None:
     ours.addHandler(ToVllmHandler())
     ours.setLevel(logging.getLogger("vllm").getEffectiveLevel())
     ours.propagate = False  # as vLLM's own logger: one copy of each line, not a second via the root logger
+
+
+@contextlib.contextmanager
+def refusal_logged() -> Iterator[None]:
+    """Log why the connector refuses to start, one ERROR line per problem, before the error goes on up.
+
+    vLLM answers an exception in a connector's constructor with hundreds of
+    lines of traceback from several processes; these lines, each with the
+    cause and what to do, are the ones to find in it.
+    """
+    try:
+        yield
+    except KVCodecError as exc:
+        if isinstance(exc, ConfigError) and exc.problems:
+            lines = [f"{exc.heading}: {problem}" for problem in exc.problems]
+        else:
+            lines = [" ".join(str(exc).split())]
+        for line in lines:
+            logging.getLogger(PACKAGE_LOGGER).error("kvcodec: refusing to start: %s", line.removeprefix("kvcodec: "))
+        raise

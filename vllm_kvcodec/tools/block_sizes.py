@@ -3,8 +3,9 @@
 The connector stores whole chunks, so ``chunk_size`` must be a multiple of the
 engine's ``--block-size``, and the attention backend decides which block sizes
 exist. The commands that build a config (``kvcodec config``, ``kvcodec
-serve``) know no engine yet, so they check against the backends' rules and,
-when nothing fits, say what would.
+serve``) know no engine yet: they check against the block size the command
+line gives (``kvcodec serve``: or vLLM's default on this platform), else
+against the backends' rules and, when nothing fits, say what would.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from __future__ import annotations
 CPU_BLOCK_MULTIPLE = 32
 #: vLLM's CUDA backends (FlashAttention, Triton, FlashInfer) take multiples of 16.
 CUDA_BLOCK_MULTIPLE = 16
+#: vLLM's block size on its CPU backend when --block-size is not given (``CpuPlatform.check_and_update_config``;
+#: a test checks it). MLA models get 16 there whatever is asked, and any multiple of 32 is a multiple of 16.
+CPU_DEFAULT_BLOCK_SIZE = 128
 _LARGEST_BLOCK = 256
 
 
@@ -29,6 +33,14 @@ def chunk_size_error(chunk_size: int) -> str | None:
     return (f"chunk_size {chunk_size} fits no vLLM block size: it must be a multiple of the engine's --block-size, "
             f"which is a multiple of {CPU_BLOCK_MULTIPLE} on vLLM's CPU backend (32, 64, 128, ...) and of "
             f"{CUDA_BLOCK_MULTIPLE} on its CUDA backends; use e.g. {_nearest(chunk_size)}")
+
+
+def platform_default_block_size() -> int | None:
+    """vLLM's block size on this machine without --block-size, where the platform alone decides it (the CPU);
+    None where the attention backend the model gets decides (CUDA: 16, or what its backends prefer)."""
+    from vllm.platforms import current_platform
+
+    return CPU_DEFAULT_BLOCK_SIZE if current_platform.is_cpu() else None
 
 
 def chunk_size_note(chunk_size: int) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn, Optional
 
@@ -283,24 +285,35 @@ def bench_faults(
 
 
 def fail(message: object) -> NoReturn:
-    """One line on stderr and exit status 2 (a usage error): the same for every command and every bad argument."""
-    typer.echo("error: " + " ".join(part.strip() for part in str(message).splitlines() if part.strip()), err=True)
+    """``error: <message>`` on stderr and exit status 2 (a usage error), the same for every command and every bad
+    argument: one line, or where several settings are wrong, a heading and one line per problem."""
+    lines = [line.rstrip() for line in str(message).splitlines() if line.strip()]
+    typer.echo("\n".join(["error: " + lines[0].strip(), *lines[1:]]), err=True)
     raise typer.Exit(2)
+
+
+@contextlib.contextmanager
+def _progress(what: str) -> Iterator[Callable[[], None]]:
+    """A transient spinner counting ``what`` through a long read, on a terminal only (piped: the results alone)."""
+    from rich.progress import Progress
+
+    from vllm_kvcodec.tools.bench.report import console
+
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task(what, total=None)
+        yield lambda: bar.advance(task)
 
 
 @app.command()
 def inspect(store: str = typer.Argument(..., help="Store URL, e.g. redis://host:6379/0 or file:///path.")) -> None:
     """Namespaces, chunk and object counts, bytes stored vs raw, average ratio and codecs in a store (read-only)."""
-    from rich.progress import Progress
-
     from storage import StoreError, open_store
-    from vllm_kvcodec.tools.bench.report import console, table
+    from vllm_kvcodec.tools.bench.report import table
     from vllm_kvcodec.tools.store_tools import inspect_store
 
     try:
-        with open_store(store, read_only=True) as s, Progress(console=console, transient=True) as bar:
-            task = bar.add_task("reading chunk headers", total=None)
-            summary = inspect_store(s, lambda: bar.advance(task))
+        with open_store(store, read_only=True) as s, _progress("reading chunk headers") as tick:
+            summary = inspect_store(s, tick)
     except (StoreError, ValueError) as exc:
         fail(exc)
     table(f"{s.url}", ["what", "value"], [
@@ -319,26 +332,24 @@ def verify(
     store: str = typer.Argument(..., help="Store URL."),
     delete: bool = typer.Option(False, "--delete", help="Delete damaged objects (vLLM recomputes them on the next miss)."),
 ) -> None:
-    """Re-check every stored chunk (checksum, header, codec payload); exit 1 if any is damaged. Read-only unless --delete."""
-    from rich.progress import Progress
-
+    """Re-check every stored chunk (checksum, header, codec payload) and say what was checked; exit 1 if any is
+    damaged. Read-only unless --delete."""
     from storage import StoreError, open_store
-    from vllm_kvcodec.tools.bench.report import console
-    from vllm_kvcodec.tools.store_tools import delete_objects, verify_store
+    from vllm_kvcodec.tools.store_tools import delete_objects, verify_report, verify_store
 
     try:
-        with open_store(store, read_only=True) as s, Progress(console=console, transient=True) as bar:
-            task = bar.add_task("verifying chunks", total=None)
-            damaged = verify_store(s, progress=lambda: bar.advance(task))
-        if delete and damaged:
+        with open_store(store, read_only=True) as s, _progress("verifying chunks") as tick:
+            summary = verify_store(s, progress=tick)
+        if delete and summary.damaged:
             with open_store(store) as s:  # it exists (it was just read), so opening it for writes creates nothing
-                delete_objects(s, [key for key, _ in damaged])
+                delete_objects(s, [key for key, _ in summary.damaged_objects])
     except (StoreError, ValueError) as exc:
         fail(exc)
-    for key, reason in damaged:
-        console.print(f"damaged{' (deleted)' if delete else ''}: {key}: {reason}")
-    console.print(f"{len(damaged)} damaged object(s)")
-    if damaged:
+    for key, reason in summary.damaged_objects:
+        typer.echo(f"damaged{' (deleted)' if delete else ''}: {key}: {reason}")
+    for line in verify_report(summary):
+        typer.echo(line)
+    if summary.damaged:
         raise typer.Exit(1)
 
 
@@ -348,6 +359,7 @@ def config(
     codec: Optional[str] = typer.Option(None, help="Codec id or 'auto' (default: the densest for the model's dtype)."),
     chunk_size: int = typer.Option(256, help="Tokens per chunk; a multiple of vLLM's --block-size (a multiple of 32 on the CPU backend, of 16 on CUDA)."),
     load_mode: str = typer.Option("sync", help="sync or async."),
+    block_size: Optional[int] = typer.Option(None, min=1, help="The --block-size `vllm serve` will be given: chunk_size is checked against it (default: against every block size vLLM's backends take)."),
 ) -> None:
     """Print a validated --kv-transfer-config JSON for `vllm serve`."""
     import json
@@ -359,10 +371,10 @@ def config(
     extra = {"chunk_size": chunk_size, "load_mode": load_mode}
     extra.update({k: v for k, v in {"store": store, "codec": codec}.items() if v is not None})
     try:
-        transfer = kv_transfer_config(extra)
+        transfer = kv_transfer_config(extra, block_size)
     except ConfigError as exc:
         fail(exc)
-    if note := chunk_size_note(chunk_size):
+    if block_size is None and (note := chunk_size_note(chunk_size)):
         typer.echo(note, err=True)
     typer.echo(json.dumps(transfer))
 

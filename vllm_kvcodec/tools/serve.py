@@ -20,12 +20,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
-from vllm_kvcodec.tools.block_sizes import chunk_size_error
+from vllm_kvcodec.tools.block_sizes import chunk_size_error, platform_default_block_size
 from vllm_kvcodec.vllm_plugin import CONNECTOR_MODULE, CONNECTOR_NAME
 
 #: Seconds beyond shutdown_flush_s for the rest of the engine's teardown (model, KV cache, processes).
@@ -35,29 +35,46 @@ WORKER_EXIT_S = 5
 SHUTDOWN_TIMEOUT = "--shutdown-timeout"
 WORKER_SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 KV_TRANSFER_CONFIG = "--kv-transfer-config"
+BLOCK_SIZE = "--block-size"
+DCP_SIZE = ("--decode-context-parallel-size", "-dcp")
+VLLM_CONFIG_FILE = "--config"  # vLLM reads more arguments from this YAML file
+ROLE = "kv_both"  # the kv_role this package's --kv-transfer-config names
 
 
-def checked_config(extra: dict[str, Any]) -> ConnectorConfig:
-    """``extra`` as the connector will read it, and a chunk size some vLLM block size fits (ConfigError if not)."""
-    config = ConnectorConfig.from_extra_config(extra)
-    if problem := chunk_size_error(config.chunk_size):
-        raise ConfigError(problem)
-    return config
+def checked_config(extra: dict[str, Any], block_size: int | None = None, *, dcp: int = 1,
+                   block_from: str = "") -> ConnectorConfig:
+    """``extra`` checked as the connector checks it at start-up (ConfigError if not valid).
+
+    With ``block_size`` known (``--block-size``, or vLLM's default here),
+    chunk_size must be a multiple of it and of the hit alignment it gives
+    (times ``dcp``, the decode context parallel size); else some block size of
+    vLLM's backends must fit it.
+    """
+    return _for_engine(ConnectorConfig.from_extra_config(extra), block_size, dcp, block_from)
 
 
-def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
+def _for_engine(config: ConnectorConfig, block_size: int | None, dcp: int, block_from: str) -> ConnectorConfig:
+    if block_size is None:
+        if problem := chunk_size_error(config.chunk_size):
+            raise ConfigError(problem)
+        return config.for_role(ROLE)
+    return config.for_engine(ROLE, block_size, block_size * dcp, block_from=block_from,
+                             alignment_from=f"vLLM's scheduler block: {BLOCK_SIZE} {block_size} x {DCP_SIZE[0]} {dcp}")
+
+
+def kv_transfer_config(extra: dict[str, Any], block_size: int | None = None) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for the connector with ``extra`` (checked; ConfigError if not valid).
 
     The module path is named although the plug-in registers the connector: a
     checkout used without ``pip install`` has no entry point, and vLLM imports
     the module itself either way.
     """
-    checked_config(extra)
+    checked_config(extra, block_size, block_from=f"the {BLOCK_SIZE} given")
     return _transfer(extra)
 
 
 def _transfer(extra: dict[str, Any]) -> dict[str, Any]:
-    return {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both",
+    return {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": ROLE,
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
@@ -75,14 +92,20 @@ class ServePlan:
     notes: list[str]
 
 
-def plan_serve(model: str, extra: dict[str, Any], vllm_args: Sequence[str], environ: Mapping[str, str]) -> ServePlan:
-    """``serve MODEL --kv-transfer-config ... <vllm_args>`` plus the shutdown bounds the user did not set."""
+def plan_serve(model: str, extra: dict[str, Any], vllm_args: Sequence[str], environ: Mapping[str, str], *,
+               default_block_size: Callable[[], int | None] = platform_default_block_size) -> ServePlan:
+    """``serve MODEL --kv-transfer-config ... <vllm_args>`` plus the shutdown bounds the user did not set.
+
+    Everything that can be known before vLLM starts is checked here (the
+    connector checks the same again at start-up, with vLLM's resolved block
+    size): a bad setting costs seconds and one line, not an engine start.
+    """
     if model.startswith("-"):
         raise ConfigError(f"MODEL comes first: kvcodec serve MODEL --store URL [vllm serve arguments] (got {model!r})")
     if _given(vllm_args, KV_TRANSFER_CONFIG):
         raise ConfigError("kvcodec serve writes --kv-transfer-config itself; give connector keys with "
                           "--store, --codec or --connector-config '{\"key\": value}', or run vllm serve directly")
-    config = checked_config(extra)
+    config = _engine_config(extra, vllm_args, default_block_size)
     plan = ServePlan(["serve", model, KV_TRANSFER_CONFIG, json.dumps(_transfer(extra)), *vllm_args], {}, [])
     needed = shutdown_timeout_for(config)
     given = _value(vllm_args, SHUTDOWN_TIMEOUT)
@@ -96,19 +119,56 @@ def plan_serve(model: str, extra: dict[str, Any], vllm_args: Sequence[str], envi
     return plan
 
 
+def _engine_config(extra: dict[str, Any], vllm_args: Sequence[str],
+                   default_block_size: Callable[[], int | None]) -> ConnectorConfig:
+    """``extra`` checked against the block size vLLM will use: the ``--block-size`` given, else its default
+    here (none where a ``--config`` file may set one, or where the model's attention backend decides)."""
+    config = ConnectorConfig.from_extra_config(extra)  # its keys first: they need no vLLM import
+    given = _value(vllm_args, BLOCK_SIZE)
+    if given is not None:
+        block_size, block_from = _as_int(given), f"the {BLOCK_SIZE} given"
+    elif _given(vllm_args, VLLM_CONFIG_FILE):
+        block_size, block_from = None, ""
+    else:
+        block_size = default_block_size()
+        block_from = f"vLLM's default on this machine; {BLOCK_SIZE} sets it"
+    dcp = _as_int(_value(vllm_args, *DCP_SIZE) or "1") or 1
+    return _for_engine(config, block_size, dcp, block_from)
+
+
 def _given(args: Sequence[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
+    return any(_is(a.split("=", 1)[0], (flag,)) for a in args)
 
 
-def _value(args: Sequence[str], flag: str) -> str | None:
-    """The value of ``flag`` (``--flag V`` or ``--flag=V``; the last one wins, as in argparse)."""
+def _value(args: Sequence[str], *flags: str) -> str | None:
+    """The value of ``flags`` (one option's names) as vLLM's parser reads it: ``--flag V`` or ``--flag=V``,
+    ``_`` for ``-``, an abbreviation of the long name; the last one wins, as in argparse."""
     value = None
     for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
+        name, eq, rest = a.partition("=")
+        if not _is(name, flags):
+            continue
+        if eq:
+            value = rest
+        elif i + 1 < len(args):
             value = args[i + 1]
-        elif a.startswith(flag + "="):
-            value = a.split("=", 1)[1]
     return value
+
+
+def _is(arg: str, flags: Sequence[str]) -> bool:
+    """Whether ``arg`` names the option ``flags`` name (vLLM's parser: underscores, argparse: abbreviations)."""
+    if not arg.startswith("--"):
+        return arg in flags  # a short name (-dcp) is given whole
+    name = "--" + arg[2:].replace("_", "-")
+    return name in flags or (len(name) > 3 and flags[0].startswith(name))
+
+
+def _as_int(text: str) -> int | None:
+    try:
+        value = int(text)
+    except ValueError:
+        return None  # vLLM will reject it with its own message
+    return value if value > 0 else None
 
 
 def _as_float(text: str) -> float:
