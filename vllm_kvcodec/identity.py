@@ -14,7 +14,8 @@ Equal token ids do not mean equal KV. The KV also depends on
 - the model configuration beyond the weights: ``hf_overrides`` (a rope
   override changes every K), the effective rotary and window settings, the
   model implementation, quantisation parameters (:func:`config_inputs`;
-  docs/reliability.md lists what is and is not keyed, and why);
+  docs/reliability.md lists what is and is not keyed, and why); the compute
+  dtype, where the cache does not hold it (connector/cache_identity.py);
 - the request: vLLM's ``cache_salt`` (tenants that must not share), the LoRA
   adapter by name, path and weights (:func:`lora_identity`: one name may
   point at other weights on another instance, or after a reload), and

@@ -33,6 +33,7 @@ TOKENS = list(range(1000, 1000 + 512))
         {"head_dim": 128}, {"layout_id": "cpu_attn-vec-v1"}, {"tp_size": 2}, {"chunk_size": 256},
         {"layers_per_object": 6}, {"salt": "tenant-b"}, {"compute": "cuda"}, {"format_version": 2},
         {"dtype": "fp8_e4m3"}, {"kv_scales": "0" * 32}, {"hash_algo": "xxh3_128"}, {"config_inputs": "0" * 64},
+        {"compute_dtype": "float32"},
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -45,7 +46,7 @@ def test_every_namespace_field_separates_keys(change: dict) -> None:
 def test_fields_added_later_keep_the_digests_of_namespaces_without_them() -> None:
     """A namespace that does not use kv_scales (every bf16 one) has the digest it had before the field existed."""
     assert BASE.digest == BASE_DIGEST
-    assert dataclasses.replace(BASE, kv_scales="", config_inputs="").digest == BASE.digest
+    assert dataclasses.replace(BASE, kv_scales="", config_inputs="", compute_dtype="").digest == BASE.digest
 
 
 def test_keys_are_sha256_unless_xxh3_is_asked_for() -> None:
@@ -87,7 +88,7 @@ def test_hf_overrides_and_effective_rope_are_in_the_namespace() -> None:
     assert _namespace().digest == plain.digest  # stable
 
 
-def test_fp8_scales_separate_keys() -> None:
+def test_fp8_scales_separate_keys_q_and_p_scales_too() -> None:
     """Same bytes under another scale are other values: a re-calibrated checkpoint never shares chunks."""
     from types import SimpleNamespace
 
@@ -97,6 +98,9 @@ def test_fp8_scales_separate_keys() -> None:
     calibrated = ones[:2] + [SimpleNamespace(_k_scale_float=1.0, _v_scale_float=0.5)]
     assert scales_digest(ones) == scales_digest([SimpleNamespace() for _ in range(3)])  # vLLM's default is 1.0
     assert scales_digest(ones) != scales_digest(calibrated) != scales_digest(ones[:2])
+    # Q's and P's scales quantise the attention's inputs on fp8-attention backends: every later layer's KV follows.
+    for name in ("_q_scale_float", "_prob_scale_float"):
+        assert scales_digest(ones[:2] + [SimpleNamespace(**{name: 0.5})]) != scales_digest(ones), name
     a = dataclasses.replace(BASE, dtype="fp8_e4m3", kv_scales=scales_digest(ones))
     b = dataclasses.replace(a, kv_scales=scales_digest(calibrated))
     assert set(chunk_hashes(a, TOKENS, 2)).isdisjoint(chunk_hashes(b, TOKENS, 2))
@@ -184,6 +188,18 @@ def test_real_engine_configs_get_separate_namespaces() -> None:
     assert _namespace(enforce_eager=False).compute != bf16.compute  # compiled kernels: other bits (identity.py)
     portable = _namespace(connector={"share_across_platforms": True})
     assert portable.compute == "" and portable.digest != bf16.digest
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["default", "share_across_platforms"])
+def test_fp8_caches_of_other_compute_dtypes_get_separate_namespaces(share: bool) -> None:
+    """float32 and bfloat16 K round to other fp8 bytes: the compute dtype is keyed where the cache does not hold it,
+    also across platforms (there the compute identity, which names the CPU kernel's ISA, is dropped)."""
+    connector = {"share_across_platforms": share}
+    bf16, fp32, fp16 = (_namespace(dtype=d, kv_cache_dtype="fp8", connector=connector)
+                        for d in ("bfloat16", "float32", "float16"))
+    assert (bf16.compute_dtype, fp32.compute_dtype, fp16.compute_dtype) == ("bfloat16", "float32", "float16")
+    assert len({bf16.digest, fp32.digest, fp16.digest}) == 3
+    assert _namespace(connector=connector).compute_dtype == ""  # a bf16 cache of a bf16 model: dtype says it all
 
 
 def test_fp8_cache_dtypes_name_their_bytes() -> None:

@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_kvcodec.connector.cache_groups import FULL, CacheGroups, cache_groups_for, layer_index, load_mode
-from vllm_kvcodec.connector.cache_identity import cache_dtype_name, check_uniform_cache_dtype, is_fp8
+from vllm_kvcodec.connector.cache_identity import cache_dtype_name, check_uniform_cache_dtype, compute_dtype_name, is_fp8
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec import key_hash
@@ -307,6 +307,7 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig, cache_gr
         pp_layers=",".join(map(str, stages)) if len(stages) > 1 else "",
         hash_algo=key_hash.resolve(config.hash_algo, getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None)),
         config_inputs=config_inputs(vllm_config),
+        compute_dtype=compute_dtype_name(model.dtype, dtype),
     )
 
 
