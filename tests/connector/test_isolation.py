@@ -202,6 +202,46 @@ def test_fp8_caches_of_other_compute_dtypes_get_separate_namespaces(share: bool)
     assert _namespace(connector=connector).compute_dtype == ""  # a bf16 cache of a bf16 model: dtype says it all
 
 
+def test_kernel_choices_beyond_the_backend_are_in_the_compute_identity(monkeypatch) -> None:
+    """Attention settings and kernel-choosing environment variables change the attention's output, and so every
+    later layer's KV; named only when set, so that the engines without them keep their keys."""
+    plain = _namespace()
+    assert '"attention_config"' not in plain.compute and '"env"' not in plain.compute
+    assert _namespace(attention_config={"flash_attn_version": 3}).compute != plain.compute
+    assert _namespace(attention_config={"use_prefill_query_quantization": True}).compute != plain.compute
+    for name, value in (("VLLM_BATCH_INVARIANT", "1"), ("VLLM_CPU_ATTN_SPLIT_KV", "0"),
+                        ("ONEDNN_DEFAULT_FPMATH_MODE", "BF16"), ("VLLM_ROCM_USE_AITER", "1")):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            assert _namespace().compute != plain.compute, name
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # not a kernel choice
+    assert _namespace().compute == plain.compute
+
+
+def test_a_chosen_block_size_is_keyed_where_it_can_change_the_default_backend() -> None:
+    """On a GPU, vLLM skips a higher-priority backend that does not support the user's --block-size; on the CPU there
+    is one backend, and a backend chosen by name is keyed by name. (The identity of a GPU engine cannot be built
+    here: its rule is checked on the configurations vLLM makes on this host.)"""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvcodec.identity import backend_block_size
+    from vllm_kvcodec.tools.smollm2 import model_dir
+
+    def config(**kw):
+        args = {"model": str(model_dir()), "dtype": "bfloat16", "enforce_eager": True, "max_model_len": 2048}
+        return EngineArgs(**{**args, **kw}).create_engine_config()
+
+    chosen = config(block_size=64)
+    assert backend_block_size(chosen, "cuda") == 64
+    assert backend_block_size(chosen, "cpu") is None and '"block_size"' not in _namespace(block_size=64).compute
+    assert backend_block_size(config(block_size=64, attention_config={"backend": "FLASH_ATTN"}), "cuda") is None
+    assert backend_block_size(config(), "cuda") is None  # vLLM's own choice follows the backend, not the reverse
+
+
+def test_dummy_weights_are_not_the_folder_s_weights() -> None:
+    assert _namespace(load_format="dummy").config_inputs != _namespace().config_inputs
+
+
 def test_fp8_cache_dtypes_name_their_bytes() -> None:
     """fp8 and fp8_e4m3 write the same bytes (one namespace); fp8_e5m2 and bf16 do not."""
     e4m3, alias, e5m2 = (_namespace(kv_cache_dtype=d) for d in ("fp8_e4m3", "fp8", "fp8_e5m2"))
