@@ -4,7 +4,7 @@ Equal token ids do not mean equal KV. The KV also depends on
 
 - the weights: a model name alone does not tell two conversions, fine-tunes or
   quantisations of "the same" model apart, so a local model folder is
-  fingerprinted (:func:`model_identity`);
+  fingerprinted, and a hub model keyed by its commit (:func:`model_identity`);
 - the kernels that computed it: a GEMM or attention kernel of another
   platform, ISA or library version, attention setting or kernel-choosing
   environment variable, or the same model compiled another way (eager with
@@ -30,7 +30,9 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +42,10 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
 
+logger = logging.getLogger("vllm_kvcodec")
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 _SAMPLE = 1 << 16  # bytes read at each sampled offset of a weight file
 _SAMPLES = 16  # sampled offsets per file, besides its first and last bytes
 
@@ -98,13 +103,52 @@ def lora_identity(lora: Any) -> str:
     return json.dumps(parts, sort_keys=True)
 
 
-def model_identity(model: str, revision: str | None, quantization: str | None) -> str:
-    """``name@revision`` for a hub model, a content fingerprint for a local folder or file."""
+def model_identity(model: str, revision: str | None, quantization: str | None, download_dir: str | None = None) -> str:
+    """``name@commit`` for a hub model, a content fingerprint for a local folder or file.
+
+    A branch or tag moves: ``name@main`` (what an unpinned model is served
+    as) names other weights after every push, so a hub model is keyed by the
+    commit its revision resolves to (:func:`hub_commit`), and by the revision
+    as given only where no commit can be found.
+    """
     path = Path(model)
-    base = f"{model}@{revision or ''}"
     if path.exists():
         base = f"{path.name}#{weights_fingerprint(str(path.resolve()))}"
+    else:
+        commit = hub_commit(model, revision, download_dir)
+        if commit is None:
+            logger.warning("kvcodec: no commit of hub model %s at revision %s found in the local hub cache; its "
+                           "chunks are keyed by name and revision only (pin --revision to a commit)", model, revision)
+        base = f"{model}@{commit or revision or ''}"
     return f"{base}/{quantization}" if quantization else base
+
+
+def hub_commit(repo_id: str, revision: str | None, download_dir: str | None = None) -> str | None:
+    """The commit a hub model's revision names: vLLM's resolved revision (huggingface_hub's ``ResolvedRevision``),
+    a commit hash given as the revision, or the ``refs/`` entry the hub cache keeps for it (in vLLM's
+    ``download_dir``, then ``HF_HUB_CACHE``); None if none of them knows it."""
+    if resolved := getattr(revision, "resolved", None):
+        return str(resolved)
+    if revision and _COMMIT.fullmatch(revision):
+        return revision
+    folder = "models--" + repo_id.replace("/", "--")
+    for cache in filter(None, (download_dir, _hub_cache())):
+        ref = Path(cache) / folder / "refs" / (revision or "main")
+        try:
+            commit = ref.read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if _COMMIT.fullmatch(commit):
+            return commit
+    return None
+
+
+def _hub_cache() -> str:
+    """huggingface_hub's cache folder, read now (its constants are read once, at import)."""
+    if cache := os.environ.get("HF_HUB_CACHE"):
+        return cache
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return os.path.join(os.path.expanduser(home), "hub")
 
 
 def weights_fingerprint(path: str) -> str:

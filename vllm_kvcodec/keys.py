@@ -1,7 +1,7 @@
 """Chunk keys: a hash chain over token ids inside a namespace.
 
 The namespace digests everything that makes two chunks' bytes incomparable:
-model identity (weights fingerprint), dtype (``fp8_e4m3`` /
+model identity (weights fingerprint, or a hub model's commit), dtype (``fp8_e4m3`` /
 ``fp8_e5m2`` for fp8 caches, with a digest of their per-layer scales, and the
 compute dtype where the cache holds another), KV geometry, the content layout,
 the compute identity (platform, kernels, versions; see identity.py),

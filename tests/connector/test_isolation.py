@@ -165,6 +165,39 @@ def test_weights_fingerprint_follows_content_not_path(tmp_path: Path) -> None:
     assert model_identity("org/model", "abc123", None) != model_identity("org/model", "abc123", "awq")
 
 
+def _hub_cache(root: Path, repo: str, refs: dict[str, str]) -> Path:
+    """A local hub cache laid out as huggingface_hub keeps one: ``refs/<revision>`` naming a commit, a snapshot each."""
+    folder = root / ("models--" + repo.replace("/", "--"))
+    for name, commit in refs.items():
+        (folder / "refs").mkdir(parents=True, exist_ok=True)
+        (folder / "refs" / name).write_text(commit)
+        (folder / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+        (folder / "snapshots" / commit / "config.json").write_text("{}")
+    return root
+
+
+def test_an_unpinned_hub_model_is_keyed_by_the_commit_its_revision_names(tmp_path: Path, monkeypatch) -> None:
+    """``org/model@main`` names other weights after every push: the commit is keyed, from vLLM's resolved revision
+    (online) or the hub cache's refs (where vLLM could not resolve it). No network: a hub cache of our own."""
+    from huggingface_hub import ResolvedRevision
+
+    old, new = "1" * 40, "2" * 40
+    monkeypatch.setenv("HF_HUB_CACHE", str(_hub_cache(tmp_path / "hub", "org/model", {"main": old, "v1": old})))
+    first = model_identity("org/model", None, None)
+    assert first == f"org/model@{old}"
+    assert model_identity("org/model", "main", None) == model_identity("org/model", "v1", None) == first
+    assert model_identity("org/model", old, None) == first  # a pinned commit keeps the key it always had
+    _hub_cache(tmp_path / "hub", "org/model", {"main": new})  # a push to main, pulled
+    assert model_identity("org/model", None, None) == f"org/model@{new}"
+    assert model_identity("org/model", "v1", None) == first
+    # What vLLM 0.32 hands over online: huggingface_hub's resolved revision, a str "main" carrying the commit.
+    assert model_identity("org/model", ResolvedRevision(old, initial=None), None) == first
+    # vLLM's download_dir holds the weights (and refs) it downloaded: asked first.
+    _hub_cache(tmp_path / "downloads", "org/model", {"main": "3" * 40})
+    assert model_identity("org/model", None, None, str(tmp_path / "downloads")) == "org/model@" + "3" * 40
+    assert model_identity("org/other", None, None) == "org/other@"  # nothing to resolve it with: name only
+
+
 def _namespace(**engine_args) -> Namespace:
     from vllm.engine.arg_utils import EngineArgs
 

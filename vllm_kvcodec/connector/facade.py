@@ -291,7 +291,8 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig, cache_gr
     attention = (_attention(cache_groups, kv_cache_config) if len(stages) == 1
                  else _uniform_attention(cache_groups, num_layers))
     return Namespace(
-        model_id=config.model_id or model_identity(model.model, model.revision, model.quantization),
+        model_id=config.model_id or model_identity(model.model, model.revision, model.quantization,
+                                                   vllm_config.load_config.download_dir),
         dtype=dtype,
         num_layers=num_layers,
         num_kv_heads=model.get_num_kv_heads(parallel),
