@@ -33,7 +33,7 @@ TOKENS = list(range(1000, 1000 + 512))
         {"head_dim": 128}, {"layout_id": "cpu_attn-vec-v1"}, {"tp_size": 2}, {"chunk_size": 256},
         {"layers_per_object": 6}, {"salt": "tenant-b"}, {"compute": "cuda"}, {"format_version": 2},
         {"dtype": "fp8_e4m3"}, {"kv_scales": "0" * 32}, {"hash_algo": "xxh3_128"}, {"config_inputs": "0" * 64},
-        {"compute_dtype": "float32"},
+        {"compute_dtype": "float32"}, {"digest_unit": 8},
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -46,7 +46,7 @@ def test_every_namespace_field_separates_keys(change: dict) -> None:
 def test_fields_added_later_keep_the_digests_of_namespaces_without_them() -> None:
     """A namespace that does not use kv_scales (every bf16 one) has the digest it had before the field existed."""
     assert BASE.digest == BASE_DIGEST
-    assert dataclasses.replace(BASE, kv_scales="", config_inputs="", compute_dtype="").digest == BASE.digest
+    assert dataclasses.replace(BASE, kv_scales="", config_inputs="", compute_dtype="", digest_unit=0).digest == BASE.digest
 
 
 def test_keys_are_sha256_unless_xxh3_is_asked_for() -> None:
@@ -273,6 +273,17 @@ def test_a_chosen_block_size_is_keyed_where_it_can_change_the_default_backend() 
 
 def test_dummy_weights_are_not_the_folder_s_weights() -> None:
     assert _namespace(load_format="dummy").config_inputs != _namespace().config_inputs
+
+
+def test_token_digest_units_below_16_are_in_the_namespace() -> None:
+    """Objects record a token digest per 16 tokens, or per block where blocks are smaller: engines of other units
+    would fail every load of each other's objects (kind tokens) and overwrite them. Keyed also across platforms,
+    where the compute identity (and the page layout with its block size) is dropped."""
+    share = {"share_across_platforms": True, "chunk_size": 256}
+    units = {b: _namespace(block_size=b, connector=share) for b in (1, 8, 32, 128)}
+    assert [units[b].digest_unit for b in (1, 8, 32, 128)] == [1, 8, 0, 0]
+    assert len({units[1].digest, units[8].digest, units[32].digest}) == 3
+    assert units[32].digest == units[128].digest  # 16 tokens per digest either way: they share
 
 
 def test_fp8_cache_dtypes_name_their_bytes() -> None:
