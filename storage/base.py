@@ -127,6 +127,19 @@ class Store(abc.ABC):
         self._check_open()
         self._put(validate_key(key), as_buffer(value))
 
+    def replace(self, key: str, expected: Value, value: Value) -> bool:
+        """Write ``value`` under ``key`` only if ``key`` holds exactly ``expected`` now; True if it was written.
+
+        For a writer whose value is made from what it read (the upgrader's
+        re-encoding of a loaded object): a newer value written meanwhile is
+        left as it is, and so is the key's absence (deleted, evicted). Atomic
+        where the backend has a conditional write (memory, Redis); elsewhere
+        a put landing between the comparison and the write is overwritten
+        (see each backend's ``_replace``).
+        """
+        self._check_open()
+        return self._replace(validate_key(key), as_buffer(expected), as_buffer(value))
+
     def exists(self, key: str) -> bool:
         self._check_open()
         return self._exists(validate_key(key))
@@ -200,6 +213,14 @@ class Store(abc.ABC):
     def _put_many(self, items: list[tuple[str, memoryview]]) -> None:
         for key, value in items:
             self._put(key, value)
+
+    def _replace(self, key: str, expected: memoryview, value: memoryview) -> bool:
+        """Read, compare, write: not atomic. A put by another writer between the read and the write is lost (a
+        backend with a conditional write overrides this)."""
+        if self._get(key) != expected:
+            return False
+        self._put(key, value)
+        return True
 
     def _exists_many(self, keys: list[str]) -> list[bool]:
         return [self._exists(k) for k in keys]

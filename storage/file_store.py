@@ -163,6 +163,30 @@ class FileStore(Store):
             raise
 
     def _put(self, key: str, value: memoryview) -> None:
+        self._write(key, value)
+
+    def _replace(self, key: str, expected: memoryview, value: memoryview) -> bool:
+        """Compared with the object file in place, written only if that file is still the one in place.
+
+        Not atomic: the file compared is held open (its inode cannot be
+        reused) and the new one renamed into place only if the path still
+        names it, but a put renamed into place between that check (one
+        ``stat``) and this rename is overwritten. A put during the
+        comparison is seen.
+        """
+        try:
+            with open(self._path(key), "rb", buffering=0) as f:
+                if _read_object(f, key) != expected:
+                    return False
+                return self._write(key, value, unless_replaced=os.fstat(f.fileno()))
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StoreUnavailableError(f"file store read of {key!r} failed: {exc}") from exc
+
+    def _write(self, key: str, value: memoryview, unless_replaced: os.stat_result | None = None) -> bool:
+        """Write a temp file and rename it into place; with ``unless_replaced``, only if the path still names that
+        file (else False, nothing written)."""
         header = _header(key)
         size = len(header) + value.nbytes
         if self._cap and size > self._cap.max_bytes:
@@ -171,10 +195,14 @@ class FileStore(Store):
         tmp = _temp_name(path)
         try:
             self._write_temp(tmp, header, value)
+            if unless_replaced is not None and not _names(path, unless_replaced):
+                unlink_quietly(tmp)
+                return False
             self._publish(tmp, path, size)
         except OSError as exc:
             unlink_quietly(tmp)
             raise StoreUnavailableError(f"file store write of {key!r} failed: {exc}") from exc
+        return True
 
     def _write_temp(self, tmp: str, header: bytes, value: memoryview) -> None:
         try:
@@ -284,6 +312,15 @@ def _read_key(path: str) -> str | None:
             return _read_header(f)
     except FileNotFoundError:  # deleted or evicted while listing
         return None
+
+
+def _names(path: str, seen: os.stat_result) -> bool:
+    """Whether ``path`` still names the file ``seen`` was taken of (kept open by the caller, so never reused)."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (seen.st_dev, seen.st_ino)
 
 
 def _temp_name(path: str) -> str:

@@ -64,6 +64,15 @@ class MemoryStore(Store):
         with self._lock:
             self._data[key] = blob
 
+    def _replace(self, key: str, expected: memoryview, value: memoryview) -> bool:
+        """Compared and written under the store's lock: atomic."""
+        blob = value.tobytes()
+        with self._lock:
+            if self._data.get(key) != expected:
+                return False
+            self._data[key] = blob
+            return True
+
     def _exists(self, key: str) -> bool:
         with self._lock:
             return key in self._data

@@ -21,6 +21,8 @@ deleted: the near tier never holds an object the far store refused, and a later
 lookup misses (the chunk is recomputed and saved again), never loads something
 the rest of the fleet cannot see. :meth:`NearTier.flush` waits for the queue;
 ``close`` waits up to ``flush_s`` seconds and says how many writes it dropped.
+A conditional write (``replace``) is the far store's own, made at once, and
+drops the near copy.
 
 Integrity: each near copy carries an 8-byte XXH3-64 trailer over its key and
 value, checked on every near read. A damaged near copy (bit rot, a file torn by
@@ -259,6 +261,13 @@ class NearTier(Store):
                 self._queued_bytes -= nbytes
                 self._queued -= 1
                 self._queue.notify_all()
+
+    def _replace(self, key: str, expected: memoryview, value: memoryview) -> bool:
+        """The far store's conditional write, at once (not queued); the near copy is dropped either way, so the next
+        read takes whatever the far store holds now (a queued put of this key may still land after it)."""
+        written = self.inner.replace(key, expected, value)
+        self._drop_near(key)
+        return written
 
     def _delete(self, key: str) -> None:
         self._drop_near(key)

@@ -157,6 +157,9 @@ class OutageGuard(Store):
     def _put_many(self, items: list[tuple[str, memoryview]]) -> None:
         self._call(lambda s: s.put_many(items))
 
+    def _replace(self, key: str, expected: memoryview, value: memoryview) -> bool:
+        return self._call(lambda s: s.replace(key, expected, value))
+
     def _exists(self, key: str) -> bool:
         return self._call(lambda s: s.exists(key))
 

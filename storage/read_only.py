@@ -54,6 +54,9 @@ class ReadOnlyStore(Store):
     def _put(self, key: str, value: memoryview) -> None:
         raise ReadOnlyError(f"{self.url} was opened read-only; not writing {key!r}")
 
+    def _replace(self, key: str, expected: memoryview, value: memoryview) -> bool:
+        raise ReadOnlyError(f"{self.url} was opened read-only; not writing {key!r}")
+
     def _delete(self, key: str) -> None:
         raise ReadOnlyError(f"{self.url} was opened read-only; not deleting {key!r}")
 

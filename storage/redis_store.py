@@ -1,6 +1,7 @@
 """``redis://``, ``rediss://`` and ``redis+cluster://`` — a shared store several hosts can reach.
 
-Works with Redis and Valkey (only plain GET/SET/MGET/EXISTS/DEL/SCAN are used).
+Works with Redis and Valkey (only plain GET/SET/MGET/EXISTS/DEL/SCAN are used, and
+WATCH/MULTI/EXEC for a conditional write).
 
 Why the defaults differ from redis-py's: a KV lookup sits on the prefill path,
 where a hung store is worse than a miss. So connect and read timeouts are
@@ -101,6 +102,22 @@ class RedisStore(Store):
     def _put(self, key: str, value: memoryview) -> None:
         with self._translate("SET"):
             self._client.set(self._prefix + key, value)
+
+    def _replace(self, key: str, expected: memoryview, value: memoryview) -> bool:
+        """WATCH, GET, compare, then SET in MULTI/EXEC: Redis refuses the SET if anyone wrote the key after the
+        WATCH, so it is atomic (one more read of the value than a put, no server-side script)."""
+        full = self._prefix + key
+        with self._translate("WATCH/GET/SET"), self._client.pipeline(transaction=True) as pipe:
+            pipe.watch(full)
+            if pipe.get(full) != expected:
+                return False
+            pipe.multi()
+            pipe.set(full, value)
+            try:
+                pipe.execute()
+            except redis.WatchError:
+                return False
+        return True
 
     def _exists(self, key: str) -> bool:
         with self._translate("EXISTS"):

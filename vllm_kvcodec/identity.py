@@ -4,17 +4,18 @@ Equal token ids do not mean equal KV. The KV also depends on
 
 - the weights: a model name alone does not tell two conversions, fine-tunes or
   quantisations of "the same" model apart, so a local model folder is
-  fingerprinted (:func:`model_identity`);
+  fingerprinted, and a hub model keyed by its commit (:func:`model_identity`);
 - the kernels that computed it: a GEMM or attention kernel of another
-  platform, ISA or library version, or the same model compiled another way
-  (eager with vLLM's custom ops against torch.compile's fused kernels), gives
-  valid KV that differs from this engine's in the last bits, so by default
-  chunks are shared only between engines of the same kind
-  (:func:`compute_identity`);
+  platform, ISA or library version, attention setting or kernel-choosing
+  environment variable, or the same model compiled another way (eager with
+  vLLM's custom ops against torch.compile's fused kernels), gives valid KV
+  that differs from this engine's in the last bits, so by default chunks are
+  shared only between engines of the same kind (:func:`compute_identity`);
 - the model configuration beyond the weights: ``hf_overrides`` (a rope
   override changes every K), the effective rotary and window settings, the
   model implementation, quantisation parameters (:func:`config_inputs`;
-  docs/reliability.md lists what is and is not keyed, and why);
+  docs/reliability.md lists what is and is not keyed, and why); the compute
+  dtype, where the cache does not hold it (connector/cache_identity.py);
 - the request: vLLM's ``cache_salt`` (tenants that must not share), the LoRA
   adapter by name, path and weights (:func:`lora_identity`: one name may
   point at other weights on another instance, or after a reload), and
@@ -29,7 +30,9 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +42,10 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
 
+logger = logging.getLogger("vllm_kvcodec")
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 _SAMPLE = 1 << 16  # bytes read at each sampled offset of a weight file
 _SAMPLES = 16  # sampled offsets per file, besides its first and last bytes
 
@@ -97,13 +103,52 @@ def lora_identity(lora: Any) -> str:
     return json.dumps(parts, sort_keys=True)
 
 
-def model_identity(model: str, revision: str | None, quantization: str | None) -> str:
-    """``name@revision`` for a hub model, a content fingerprint for a local folder or file."""
+def model_identity(model: str, revision: str | None, quantization: str | None, download_dir: str | None = None) -> str:
+    """``name@commit`` for a hub model, a content fingerprint for a local folder or file.
+
+    A branch or tag moves: ``name@main`` (what an unpinned model is served
+    as) names other weights after every push, so a hub model is keyed by the
+    commit its revision resolves to (:func:`hub_commit`), and by the revision
+    as given only where no commit can be found.
+    """
     path = Path(model)
-    base = f"{model}@{revision or ''}"
     if path.exists():
         base = f"{path.name}#{weights_fingerprint(str(path.resolve()))}"
+    else:
+        commit = hub_commit(model, revision, download_dir)
+        if commit is None:
+            logger.warning("kvcodec: no commit of hub model %s at revision %s found in the local hub cache; its "
+                           "chunks are keyed by name and revision only (pin --revision to a commit)", model, revision)
+        base = f"{model}@{commit or revision or ''}"
     return f"{base}/{quantization}" if quantization else base
+
+
+def hub_commit(repo_id: str, revision: str | None, download_dir: str | None = None) -> str | None:
+    """The commit a hub model's revision names: vLLM's resolved revision (huggingface_hub's ``ResolvedRevision``),
+    a commit hash given as the revision, or the ``refs/`` entry the hub cache keeps for it (in vLLM's
+    ``download_dir``, then ``HF_HUB_CACHE``); None if none of them knows it."""
+    if resolved := getattr(revision, "resolved", None):
+        return str(resolved)
+    if revision and _COMMIT.fullmatch(revision):
+        return revision
+    folder = "models--" + repo_id.replace("/", "--")
+    for cache in filter(None, (download_dir, _hub_cache())):
+        ref = Path(cache) / folder / "refs" / (revision or "main")
+        try:
+            commit = ref.read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if _COMMIT.fullmatch(commit):
+            return commit
+    return None
+
+
+def _hub_cache() -> str:
+    """huggingface_hub's cache folder, read now (its constants are read once, at import)."""
+    if cache := os.environ.get("HF_HUB_CACHE"):
+        return cache
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return os.path.join(os.path.expanduser(home), "hub")
 
 
 def weights_fingerprint(path: str) -> str:
@@ -153,7 +198,8 @@ def config_inputs(vllm_config: "VllmConfig") -> str:
     layer-count override, every layer), the effective rotary settings and
     window after every override, the model implementation, quantisation
     parameters, a config or weights path apart from the model's, remote code's
-    revision, a disabled sliding window and cascade attention. Only settings
+    revision, a disabled sliding window and cascade attention, and dummy
+    weights (``load_format: dummy``: random, whatever the folder holds). Only settings
     away from their defaults are named, beside the rotary ones, which every
     model has. docs/reliability.md lists what is keyed and what is not.
     """
@@ -173,6 +219,8 @@ def config_inputs(vllm_config: "VllmConfig") -> str:
     for name in ("hf_config_path", "model_weights"):
         if path := getattr(model, name, None):
             parts[name] = weights_fingerprint(str(Path(path).resolve())) if Path(path).exists() else path
+    if str(getattr(getattr(vllm_config, "load_config", None), "load_format", "")) == "dummy":
+        parts["load_format"] = "dummy"  # random weights, whatever the folder holds
     blob = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 
@@ -212,7 +260,66 @@ def compute_identity(vllm_config: "VllmConfig") -> str:
     if current_platform.device_type == "cpu":
         parts["isa"] = _cpu_isa(vllm_config)
         parts["cpu"] = torch.backends.cpu.get_cpu_capability()  # the GEMM kernels' ISA
+    # Named only when set, so that engines without them keep the identity (and the keys) they had.
+    if block := backend_block_size(vllm_config, current_platform.device_type):
+        parts["block_size"] = block
+    if attention := _attention_settings(vllm_config):
+        parts["attention_config"] = attention
+    if env := kernel_env():
+        parts["env"] = env
     return json.dumps(parts, sort_keys=True)
+
+
+#: AttentionConfig fields that are not a kernel choice: resolved from other settings by vLLM itself
+#: (``sparse_mla_prefill_workspace_factor`` from max_model_len), or where KV is kept (``hisparse_config``).
+#: Every other field away from its default is keyed, so a field a later vLLM adds is keyed too.
+_ATTENTION_UNKEYED = ("backend", "sparse_mla_prefill_workspace_factor", "hisparse_config")
+
+#: Environment variables that choose kernels, their tiles or their precision, and change KV's bits with no config
+#: field showing it: keyed when set. VLLM_ATTENTION_BACKEND is gone in vLLM 0.32 (``attention_config.backend``
+#: replaced it) but still read by the releases before.
+KERNEL_ENV = (
+    "VLLM_ATTENTION_BACKEND", "VLLM_FLASH_ATTN_VERSION", "VLLM_BATCH_INVARIANT", "VLLM_FLOAT32_MATMUL_PRECISION",
+    "VLLM_CPU_ATTN_SPLIT_KV", "VLLM_CPU_INT4_W4A8", "VLLM_CPU_MOE_PREPACK", "VLLM_ZENTORCH_WEIGHT_PREPACK",
+    "VLLM_DISABLED_KERNELS", "VLLM_MLA_DISABLE", "VLLM_USE_TRITON_AWQ", "VLLM_TRITON_FORCE_FIRST_CONFIG",
+    "VLLM_KV_CACHE_LAYOUT", "VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE", "VLLM_ENABLE_INDUCTOR_COORDINATE_DESCENT_TUNING",
+    "VLLM_USE_FUSED_MOE_GROUPED_TOPK", "VLLM_MOE_SKIP_PADDING", "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER",
+    "VLLM_ALLREDUCE_USE_SYMM_MEM", "VLLM_ALLREDUCE_USE_FLASHINFER", "VLLM_USE_NCCL_SYMM_MEM", "VLLM_ENABLE_GEMM_RS",
+    "VLLM_MXFP4_EMULATION_DEQUANT_AT_LOAD", "VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD",
+    "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE",
+    "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+)
+#: Families of such variables: ROCm's AITER kernels and quick all-reduce, DeepGEMM, Marlin, Humming, FlashInfer MoE.
+KERNEL_ENV_PREFIXES = ("VLLM_ROCM_", "VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM", "VLLM_MARLIN_", "VLLM_HUMMING_",
+                       "VLLM_USE_FLASHINFER_MOE", "VLLM_FLASHINFER_MOE")
+
+
+def kernel_env() -> dict[str, str]:
+    """The kernel-choosing environment variables this process has set (workers inherit the engine's)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k in KERNEL_ENV or k.startswith(KERNEL_ENV_PREFIXES)}
+
+
+def backend_block_size(vllm_config: "VllmConfig", device_type: str) -> int | None:
+    """A block size the user chose, where it can change which attention backend vLLM picks by default: on a GPU, a
+    backend that does not support it is skipped for the next one by priority (``CudaPlatform.get_valid_backends``),
+    so two engines of one device and configuration but another ``--block-size`` may run other kernels. Not on the
+    CPU (one backend, whose ISA the identity names), nor where the backend is chosen by name."""
+    cache = getattr(vllm_config, "cache_config", None)
+    if device_type == "cpu" or _attention_backend(vllm_config) != "default" or cache is None:
+        return None
+    return cache.block_size if getattr(cache, "user_specified_block_size", False) else None
+
+
+def _attention_settings(vllm_config: "VllmConfig") -> dict[str, str]:
+    """The attention settings away from their defaults, beyond the backend (flash-attention version, TRT-LLM
+    kernels, query quantisation, per-kind backends, split counts and tiles, ...): each changes the attention's
+    output, which every later layer's K and V are computed from."""
+    config = getattr(vllm_config, "attention_config", None)
+    if config is None or not dataclasses.is_dataclass(config):
+        return {}
+    default = type(config)()
+    return {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(config)
+            if f.name not in _ATTENTION_UNKEYED and getattr(config, f.name) != getattr(default, f.name)}
 
 
 def _compilation(vllm_config: "VllmConfig") -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """Chunk keys: a hash chain over token ids inside a namespace.
 
 The namespace digests everything that makes two chunks' bytes incomparable:
-model identity (weights fingerprint), dtype (``fp8_e4m3`` / ``fp8_e5m2`` for fp8
-caches, with a digest of their per-layer scales), KV geometry, the content layout,
+model identity (weights fingerprint, or a hub model's commit), dtype (``fp8_e4m3`` /
+``fp8_e5m2`` for fp8 caches, with a digest of their per-layer scales, and the
+compute dtype where the cache holds another), KV geometry, the content layout,
 the compute identity (platform, kernels, versions; see identity.py),
-tensor-parallel size, chunking, layer grouping and format version, the
+tensor-parallel size, chunking, layer grouping, the token digests' unit where it
+is not 16, and format version, the
 model-config inputs that change KV for the same weights (``hf_overrides`` and
 the like, see identity.py), the key hash itself, plus an optional deployment
 salt, and whether every rank holds the same KV (``kv_replicated``). A chunk's key covers the whole prefix up to it
@@ -70,6 +72,13 @@ class Namespace:
     # Model-config inputs that change the computed KV for the same weights and tokens (hf_overrides, model_impl,
     # ...: identity.config_inputs), as a digest; "" where all are at their defaults.
     config_inputs: str = ""
+    # The model's compute dtype where the cache holds another (an fp8 cache, an explicit --kv-cache-dtype): K and V
+    # computed in float32 and in bfloat16 round to other cache bytes. "" where ``dtype`` already names it (the
+    # cache holds the model's dtype), so those namespaces keep their digests.
+    compute_dtype: str = ""
+    # Tokens per token digest where it is not token_digests.UNIT (blocks, or vLLM's prefix_match_unit, under 16
+    # tokens): objects record their digests in it, and a reader of another unit fails every load (kind tokens).
+    digest_unit: int = 0
 
     @functools.cached_property
     def digest(self) -> str:
@@ -112,7 +121,7 @@ class Namespace:
         return mine[0], [range(groups[i].start - first, groups[i].stop - first) for i in mine]
 
 
-_OPTIONAL_FIELDS = ("kv_scales", "attention", "kv_replicated", "pp_layers", "config_inputs")
+_OPTIONAL_FIELDS = ("kv_scales", "attention", "kv_replicated", "pp_layers", "config_inputs", "compute_dtype", "digest_unit")
 
 
 def chunk_hashes(

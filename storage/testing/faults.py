@@ -135,6 +135,11 @@ class FaultInjector(Store):
         for key, _ in items:
             self._remember(key)
 
+    def _replace(self, key: str, expected: memoryview, value: memoryview) -> bool:
+        written = self._call("replace", lambda: self.inner.replace(key, expected, value))
+        self._remember(key)
+        return written
+
     def _exists(self, key: str) -> bool:
         return self._call("exists", lambda: self.inner.exists(key))
 

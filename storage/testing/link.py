@@ -66,6 +66,12 @@ class LinkEmulator(Store):
         self.inner.put(key, value)
         self._transfer(started, value.nbytes)
 
+    def _replace(self, key: str, expected: memoryview, value: memoryview) -> bool:
+        started = time.perf_counter()
+        written = self.inner.replace(key, expected, value)  # the inner store's own conditional write
+        self._transfer(started, value.nbytes)
+        return written
+
     def _exists(self, key: str) -> bool:
         started = time.perf_counter()
         found = self.inner.exists(key)

@@ -107,6 +107,41 @@ def test_fp8_cache_saved_in_one_engine_loads_bit_exactly_in_a_fresh_one(codec, c
             assert stats[f"codec_{codec or 'zstd'}_loads"] > 0
 
 
+def test_engines_computing_in_other_dtypes_never_load_each_others_fp8_chunks(text, engines) -> None:
+    """A bfloat16 engine and a float32 one, both with an fp8 cache, on one store: float32 K and V round to other fp8
+    bytes, so the float32 engine loads nothing of the bfloat16 one's and saves its own under other keys.
+
+    With ``share_across_platforms``: that drops the compute identity, which on an AMX host tells these two engines
+    apart by their attention ISA (amx for bfloat16, vec for float32) but not on an AVX-512 host without AMX, where
+    both run vec; the namespace must separate them by itself. The bfloat16 engine, fresh on the same store, does load
+    its own chunks: the configuration shares what it should. The float32 engine is one of its own (a dtype no
+    other test shares)."""
+    from storage import open_store
+    from tests.support.engine_pool import scheduler_connector
+
+    settings = {"codec": "raw", "chunk_size": BLOCK, "share_across_platforms": True}
+    ids = text[:700]  # 5 whole chunks
+    bf16 = engines.get(connected(engine_args={"kv_cache_dtype": "fp8"}, **settings))
+    greedy(bf16.llm, ids)
+    assert bf16.conn.flush(120) and bf16.counters()["saved_chunks"] == 5
+    bf16.reset(keep_store=True)
+    greedy(bf16.llm, ids)
+    assert bf16.counters()["loaded_tokens"] == 640
+    url = bf16.url
+    with engine(connector_config(url, **settings), dtype="float32", kv_cache_dtype="fp8") as llm:
+        conn = worker_connector()
+        assert conn.worker.namespace.compute_dtype == "float32"
+        greedy(llm, ids)
+        assert conn.flush(120)
+        scheduler, worker = scheduler_connector().stats(), conn.stats()
+        assert scheduler["lookups"] >= 1 and scheduler["lookup_chunks"] >= 5
+        assert scheduler.get("hit_chunks", 0) == 0 and worker.get("loaded_tokens", 0) == 0
+        assert worker.get("load_failures", 0) == 0 and worker["saved_chunks"] == 5
+    with open_store(url) as store:
+        namespaces = {key.split("/")[1] for key in store.keys("kvc/") if not key.endswith("/ref")}
+    assert len(namespaces) == 2  # each engine's chunks under its own namespace
+
+
 def test_named_exponent_codec_refuses_fp8_at_start_up(tmp_path) -> None:
     """rans cannot hold fp8 bit-exactly: the engine does not start (rather than store something else). An engine of
     its own: its start-up is what is tested."""

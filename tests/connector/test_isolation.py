@@ -33,6 +33,7 @@ TOKENS = list(range(1000, 1000 + 512))
         {"head_dim": 128}, {"layout_id": "cpu_attn-vec-v1"}, {"tp_size": 2}, {"chunk_size": 256},
         {"layers_per_object": 6}, {"salt": "tenant-b"}, {"compute": "cuda"}, {"format_version": 2},
         {"dtype": "fp8_e4m3"}, {"kv_scales": "0" * 32}, {"hash_algo": "xxh3_128"}, {"config_inputs": "0" * 64},
+        {"compute_dtype": "float32"}, {"digest_unit": 8},
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -45,7 +46,7 @@ def test_every_namespace_field_separates_keys(change: dict) -> None:
 def test_fields_added_later_keep_the_digests_of_namespaces_without_them() -> None:
     """A namespace that does not use kv_scales (every bf16 one) has the digest it had before the field existed."""
     assert BASE.digest == BASE_DIGEST
-    assert dataclasses.replace(BASE, kv_scales="", config_inputs="").digest == BASE.digest
+    assert dataclasses.replace(BASE, kv_scales="", config_inputs="", compute_dtype="", digest_unit=0).digest == BASE.digest
 
 
 def test_keys_are_sha256_unless_xxh3_is_asked_for() -> None:
@@ -87,7 +88,7 @@ def test_hf_overrides_and_effective_rope_are_in_the_namespace() -> None:
     assert _namespace().digest == plain.digest  # stable
 
 
-def test_fp8_scales_separate_keys() -> None:
+def test_fp8_scales_separate_keys_q_and_p_scales_too() -> None:
     """Same bytes under another scale are other values: a re-calibrated checkpoint never shares chunks."""
     from types import SimpleNamespace
 
@@ -97,6 +98,9 @@ def test_fp8_scales_separate_keys() -> None:
     calibrated = ones[:2] + [SimpleNamespace(_k_scale_float=1.0, _v_scale_float=0.5)]
     assert scales_digest(ones) == scales_digest([SimpleNamespace() for _ in range(3)])  # vLLM's default is 1.0
     assert scales_digest(ones) != scales_digest(calibrated) != scales_digest(ones[:2])
+    # Q's and P's scales quantise the attention's inputs on fp8-attention backends: every later layer's KV follows.
+    for name in ("_q_scale_float", "_prob_scale_float"):
+        assert scales_digest(ones[:2] + [SimpleNamespace(**{name: 0.5})]) != scales_digest(ones), name
     a = dataclasses.replace(BASE, dtype="fp8_e4m3", kv_scales=scales_digest(ones))
     b = dataclasses.replace(a, kv_scales=scales_digest(calibrated))
     assert set(chunk_hashes(a, TOKENS, 2)).isdisjoint(chunk_hashes(b, TOKENS, 2))
@@ -161,6 +165,39 @@ def test_weights_fingerprint_follows_content_not_path(tmp_path: Path) -> None:
     assert model_identity("org/model", "abc123", None) != model_identity("org/model", "abc123", "awq")
 
 
+def _hub_cache(root: Path, repo: str, refs: dict[str, str]) -> Path:
+    """A local hub cache laid out as huggingface_hub keeps one: ``refs/<revision>`` naming a commit, a snapshot each."""
+    folder = root / ("models--" + repo.replace("/", "--"))
+    for name, commit in refs.items():
+        (folder / "refs").mkdir(parents=True, exist_ok=True)
+        (folder / "refs" / name).write_text(commit)
+        (folder / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+        (folder / "snapshots" / commit / "config.json").write_text("{}")
+    return root
+
+
+def test_an_unpinned_hub_model_is_keyed_by_the_commit_its_revision_names(tmp_path: Path, monkeypatch) -> None:
+    """``org/model@main`` names other weights after every push: the commit is keyed, from vLLM's resolved revision
+    (online) or the hub cache's refs (where vLLM could not resolve it). No network: a hub cache of our own."""
+    from huggingface_hub import ResolvedRevision
+
+    old, new = "1" * 40, "2" * 40
+    monkeypatch.setenv("HF_HUB_CACHE", str(_hub_cache(tmp_path / "hub", "org/model", {"main": old, "v1": old})))
+    first = model_identity("org/model", None, None)
+    assert first == f"org/model@{old}"
+    assert model_identity("org/model", "main", None) == model_identity("org/model", "v1", None) == first
+    assert model_identity("org/model", old, None) == first  # a pinned commit keeps the key it always had
+    _hub_cache(tmp_path / "hub", "org/model", {"main": new})  # a push to main, pulled
+    assert model_identity("org/model", None, None) == f"org/model@{new}"
+    assert model_identity("org/model", "v1", None) == first
+    # What vLLM 0.32 hands over online: huggingface_hub's resolved revision, a str "main" carrying the commit.
+    assert model_identity("org/model", ResolvedRevision(old, initial=None), None) == first
+    # vLLM's download_dir holds the weights (and refs) it downloaded: asked first.
+    _hub_cache(tmp_path / "downloads", "org/model", {"main": "3" * 40})
+    assert model_identity("org/model", None, None, str(tmp_path / "downloads")) == "org/model@" + "3" * 40
+    assert model_identity("org/other", None, None) == "org/other@"  # nothing to resolve it with: name only
+
+
 def _namespace(**engine_args) -> Namespace:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -184,6 +221,69 @@ def test_real_engine_configs_get_separate_namespaces() -> None:
     assert _namespace(enforce_eager=False).compute != bf16.compute  # compiled kernels: other bits (identity.py)
     portable = _namespace(connector={"share_across_platforms": True})
     assert portable.compute == "" and portable.digest != bf16.digest
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["default", "share_across_platforms"])
+def test_fp8_caches_of_other_compute_dtypes_get_separate_namespaces(share: bool) -> None:
+    """float32 and bfloat16 K round to other fp8 bytes: the compute dtype is keyed where the cache does not hold it,
+    also across platforms (there the compute identity, which names the CPU kernel's ISA, is dropped)."""
+    connector = {"share_across_platforms": share}
+    bf16, fp32, fp16 = (_namespace(dtype=d, kv_cache_dtype="fp8", connector=connector)
+                        for d in ("bfloat16", "float32", "float16"))
+    assert (bf16.compute_dtype, fp32.compute_dtype, fp16.compute_dtype) == ("bfloat16", "float32", "float16")
+    assert len({bf16.digest, fp32.digest, fp16.digest}) == 3
+    assert _namespace(connector=connector).compute_dtype == ""  # a bf16 cache of a bf16 model: dtype says it all
+
+
+def test_kernel_choices_beyond_the_backend_are_in_the_compute_identity(monkeypatch) -> None:
+    """Attention settings and kernel-choosing environment variables change the attention's output, and so every
+    later layer's KV; named only when set, so that the engines without them keep their keys."""
+    plain = _namespace()
+    assert '"attention_config"' not in plain.compute and '"env"' not in plain.compute
+    assert _namespace(attention_config={"flash_attn_version": 3}).compute != plain.compute
+    assert _namespace(attention_config={"use_prefill_query_quantization": True}).compute != plain.compute
+    for name, value in (("VLLM_BATCH_INVARIANT", "1"), ("VLLM_CPU_ATTN_SPLIT_KV", "0"),
+                        ("ONEDNN_DEFAULT_FPMATH_MODE", "BF16"), ("VLLM_ROCM_USE_AITER", "1")):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            assert _namespace().compute != plain.compute, name
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # not a kernel choice
+    assert _namespace().compute == plain.compute
+
+
+def test_a_chosen_block_size_is_keyed_where_it_can_change_the_default_backend() -> None:
+    """On a GPU, vLLM skips a higher-priority backend that does not support the user's --block-size; on the CPU there
+    is one backend, and a backend chosen by name is keyed by name. (The identity of a GPU engine cannot be built
+    here: its rule is checked on the configurations vLLM makes on this host.)"""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvcodec.identity import backend_block_size
+    from vllm_kvcodec.tools.smollm2 import model_dir
+
+    def config(**kw):
+        args = {"model": str(model_dir()), "dtype": "bfloat16", "enforce_eager": True, "max_model_len": 2048}
+        return EngineArgs(**{**args, **kw}).create_engine_config()
+
+    chosen = config(block_size=64)
+    assert backend_block_size(chosen, "cuda") == 64
+    assert backend_block_size(chosen, "cpu") is None and '"block_size"' not in _namespace(block_size=64).compute
+    assert backend_block_size(config(block_size=64, attention_config={"backend": "FLASH_ATTN"}), "cuda") is None
+    assert backend_block_size(config(), "cuda") is None  # vLLM's own choice follows the backend, not the reverse
+
+
+def test_dummy_weights_are_not_the_folder_s_weights() -> None:
+    assert _namespace(load_format="dummy").config_inputs != _namespace().config_inputs
+
+
+def test_token_digest_units_below_16_are_in_the_namespace() -> None:
+    """Objects record a token digest per 16 tokens, or per block where blocks are smaller: engines of other units
+    would fail every load of each other's objects (kind tokens) and overwrite them. Keyed also across platforms,
+    where the compute identity (and the page layout with its block size) is dropped."""
+    share = {"share_across_platforms": True, "chunk_size": 256}
+    units = {b: _namespace(block_size=b, connector=share) for b in (1, 8, 32, 128)}
+    assert [units[b].digest_unit for b in (1, 8, 32, 128)] == [1, 8, 0, 0]
+    assert len({units[1].digest, units[8].digest, units[32].digest}) == 3
+    assert units[32].digest == units[128].digest  # 16 tokens per digest either way: they share
 
 
 def test_fp8_cache_dtypes_name_their_bytes() -> None:

@@ -138,3 +138,26 @@ def test_a_damaged_copy_held_for_upgrading_is_never_written(real_kv_1k: torch.Te
         assert read_header(s.store.get(key), key=key).codec_id == "splitzip"
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("since", ["saved anew", "deleted"])
+def test_an_upgrade_never_writes_over_what_the_key_holds_since_its_load(since: str, store_url: str,
+                                                                         real_kv_1k: torch.Tensor) -> None:
+    """The load read a fallback-coded object; before the upgrade is written, the key was saved anew (by another
+    instance, with another codec) or deleted: the newer state stays, and the upgrade counts as superseded."""
+    s = Setup(store_url, real_kv_1k)
+    try:
+        key = s.keys[0]
+        read = s.store.get(key)
+        newer = encode_chunk(s.objects[key], "raw", key=key)
+        if since == "saved anew":
+            s.store.put(key, newer)
+        else:
+            s.store.delete(key)
+        assert s.upgrader.offer(key, read, read_header(read, key=key))
+        assert s.upgrader.flush(60)
+        assert s.store.get(key) == (newer if since == "saved anew" else None)
+        totals = s.stats.totals()
+        assert totals["upgrades_superseded"] == 1 and "upgraded_objects" not in totals
+    finally:
+        s.close()

@@ -150,6 +150,19 @@ def test_overwrite_replaces_the_whole_value(store: Store) -> None:
     assert store.get("ow") == b"c" * 5000
 
 
+def test_replace_writes_only_over_the_value_it_was_given(store: Store) -> None:
+    """A conditional write: over exactly ``expected``, never over another value, never where the key is gone."""
+    store.put("cas/k", b"old" * 1000)
+    assert not store.replace("cas/k", b"other", b"new")
+    assert store.get("cas/k") == b"old" * 1000
+    assert store.replace("cas/k", bytearray(b"old" * 1000), memoryview(b"new"))
+    assert store.get("cas/k") == b"new"
+    assert not store.replace("cas/k", b"old" * 1000, b"newer")  # what was read is no longer there
+    assert store.get("cas/k") == b"new"
+    assert not store.replace("cas/gone", b"old", b"new")  # deleted or evicted: not brought back
+    assert store.get("cas/gone") is None and not store.exists("cas/gone")
+
+
 def test_delete(store: Store) -> None:
     store.put("del/a", b"1")
     store.put("del/b", b"2")
@@ -268,6 +281,25 @@ def test_file_writes_leave_no_temp_files_and_keys_skip_them(tmp_path: Path) -> N
         assert leftovers == []
         (Path(store._path("a")).parent / ".stray.tmp").write_bytes(b"partial")
         assert list(store.keys()) == ["a"]
+
+
+def test_file_replace_leaves_a_put_that_lands_after_its_comparison(tmp_path: Path) -> None:
+    """Another writer's put renamed into place after the comparison (here: while the new value's temp file is being
+    written), even of the very bytes compared, is not overwritten: the path no longer names the file compared."""
+    other = FileStore(tmp_path)
+
+    class PutMeanwhile(FileStore):
+        def _write_temp(self, tmp: str, header: bytes, value: memoryview) -> None:
+            super()._write_temp(tmp, header, value)
+            other.put("k", b"old")  # a newer save of the same bytes
+
+    with PutMeanwhile(tmp_path) as store:
+        store.put("k", b"old")
+        before = os.stat(store._path("k")).st_ino
+        assert not store.replace("k", b"old", b"upgraded")
+        assert store.get("k") == b"old" and os.stat(store._path("k")).st_ino != before
+        assert [p for p in tmp_path.rglob(".*.tmp")] == []
+    other.close()
 
 
 def test_file_corrupt_object_is_a_store_error(tmp_path: Path) -> None:

@@ -4,12 +4,14 @@ Two engines of one model can fill their caches with different bytes for the
 same tokens: a bf16 cache and an fp8 one, an E4M3 cache and an E5M2 one, or
 two fp8 caches whose per-layer scales differ (``quant(x / k_scale)``: the same
 byte means another value under another scale; a re-calibrated checkpoint
-changes them). All of this goes into the key namespace, so such engines never
-share a chunk.
+changes them), or two fp8 caches of engines computing in other dtypes (float32
+and bfloat16 K round to other fp8 bytes). All of this goes into the key
+namespace, so such engines never share a chunk.
 
 The scales are only known once the worker has loaded the weights (vLLM sets
-``layer._k_scale_float`` / ``_v_scale_float`` from the checkpoint, 1.0 where it
-has none, and never changes them at run time in 0.32). The worker computes
+``layer._k_scale_float`` / ``_v_scale_float`` (and Q's and P's) from the
+checkpoint, 1.0 where it has none, and never changes them at run time in 0.32:
+its ``calculate_kv_scales``, which computed them from the first batch, is gone). The worker computes
 their digest in ``register_kv_caches`` and hands it to the scheduler through
 vLLM's connector handshake (``get_handshake_metadata`` ->
 ``set_xfer_handshake_metadata``), which vLLM delivers before the first request.
@@ -43,6 +45,18 @@ def cache_dtype_name(cache_dtype: Any, model_dtype: Any) -> str:
     return FP8_NAMES.get(name, name)
 
 
+def compute_dtype_name(model_dtype: Any, dtype_name: str) -> str:
+    """The namespace's ``compute_dtype``: the model's dtype where the cache holds another, else "".
+
+    An fp8 cache quantises K and V as the model computed them: a float32
+    engine and a bfloat16 one round the same token's K to other values first,
+    so their fp8 bytes differ too (and so does every later layer's input).
+    Where the cache holds the model's own dtype, ``dtype`` names it already.
+    """
+    name = str(model_dtype).removeprefix("torch.")
+    return "" if name == dtype_name else name
+
+
 def is_fp8(dtype_name: str) -> bool:
     return dtype_name in FP8_NAMES.values()
 
@@ -58,13 +72,16 @@ def check_uniform_cache_dtype(cache_config: Any) -> None:
         )
 
 
+#: A layer's scales as vLLM keeps them on the host: K and V quantise the cache; Q and the softmax's P quantise the
+#: attention's inputs on fp8-attention backends (FlashInfer, FlashAttention 3), whose output every later layer reads.
+SCALES = ("_k_scale_float", "_v_scale_float", "_q_scale_float", "_prob_scale_float")
+
+
 def scales_digest(layers: Iterable[Any]) -> str:
-    """XXH3-128 of the float32 bits of every layer's ``(k_scale, v_scale)``, in layer order."""
+    """XXH3-128 of the float32 bits of every layer's ``(k, v, q, prob)`` scales, in layer order (1.0 if unset)."""
     h = xxhash.xxh3_128()
     for layer in layers:
-        k = float(getattr(layer, "_k_scale_float", 1.0))
-        v = float(getattr(layer, "_v_scale_float", 1.0))
-        h.update(struct.pack("<ff", k, v))
+        h.update(struct.pack("<4f", *(float(getattr(layer, name, 1.0)) for name in SCALES)))
     return h.hexdigest()
 
 

@@ -30,12 +30,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_kvcodec.connector.cache_groups import FULL, CacheGroups, cache_groups_for, layer_index, load_mode
-from vllm_kvcodec.connector.cache_identity import cache_dtype_name, check_uniform_cache_dtype, is_fp8
+from vllm_kvcodec.connector.cache_identity import cache_dtype_name, check_uniform_cache_dtype, compute_dtype_name, is_fp8
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec import key_hash
 from vllm_kvcodec.identity import compute_identity, config_inputs, model_identity
 from vllm_kvcodec.keys import Namespace, stored_ranks
+from vllm_kvcodec.token_digests import UNIT, digest_unit
 from vllm_kvcodec.connector.kv_events import store_events_for
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
 from vllm_kvcodec.connector.scheduler_half import SchedulerHalf
@@ -297,7 +298,8 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig, cache_gr
     attention = (_attention(cache_groups, kv_cache_config) if len(stages) == 1
                  else _uniform_attention(cache_groups, num_layers))
     return Namespace(
-        model_id=config.model_id or model_identity(model.model, model.revision, model.quantization),
+        model_id=config.model_id or model_identity(model.model, model.revision, model.quantization,
+                                                   vllm_config.load_config.download_dir),
         dtype=dtype,
         num_layers=num_layers,
         num_kv_heads=model.get_num_kv_heads(parallel),
@@ -313,7 +315,17 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig, cache_gr
         pp_layers=",".join(map(str, stages)) if len(stages) > 1 else "",
         hash_algo=key_hash.resolve(config.hash_algo, getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None)),
         config_inputs=config_inputs(vllm_config),
+        compute_dtype=compute_dtype_name(model.dtype, dtype),
+        digest_unit=_digest_unit(cache_groups, vllm_config.cache_config.block_size, config.chunk_size),
     )
+
+
+def _digest_unit(cache_groups: CacheGroups | None, block_size: int, chunk_size: int) -> int:
+    """The namespace's ``digest_unit``: tokens per token digest (the scheduler's, see token_digests.py) where it is
+    not the usual 16, else 0."""
+    alignment = cache_groups.hit_alignment if cache_groups is not None else block_size
+    unit = digest_unit(alignment, chunk_size)
+    return 0 if unit == UNIT else unit
 
 
 def pipeline_stages(model: Any, parallel: Any, dtype: str, cache_groups: CacheGroups | None) -> list[int]:

@@ -85,8 +85,10 @@ COUNTERS: tuple[CounterSpec, ...] = (
     _plain("upgraded_bytes_saved", "Store bytes those upgrades freed (compressed size before minus after).",
            "upgraded_bytes_saved"),
     CounterSpec("upgrades_skipped", "Upgrades not done, by reason: busy (the saver had work, or the store was down), "
-                "not_smaller (the configured codec did not shrink the object; it stays as stored).",
-                {"busy": "upgrades_skipped_busy", "not_smaller": "upgrades_not_smaller"}, label="reason"),
+                "not_smaller (the configured codec did not shrink the object; it stays as stored), superseded (the "
+                "object was saved anew, deleted or evicted after the load read it; that stays).",
+                {"busy": "upgrades_skipped_busy", "not_smaller": "upgrades_not_smaller",
+                 "superseded": "upgrades_superseded"}, label="reason"),
     _plain("upgrade_failures", "Upgrades whose fetch, encode or put failed (the object stays as stored).",
            "upgrade_failures"),
     _plain("encode_seconds", "Thread-seconds the save threads spent encoding chunks.", "encode_s"),

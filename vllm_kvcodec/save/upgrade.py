@@ -10,6 +10,19 @@ re-encoded here, checked to decode to the same bits, and written over the
 same key. Keys are content addressed, so a reader sees either version, both
 exact; the engine never waits on any of it.
 
+Never over a newer object: the write is the store's conditional
+``replace``, made only if the key still holds the very bytes the load read.
+A save of the key since then (this instance's or another's, whatever its
+codec), or its deletion or eviction, stays as it is
+(``upgrades_superseded``). Where the store compares and writes atomically
+(memory, Redis: WATCH/MULTI/EXEC) nothing is left of the race; the file store
+checks that its path still names the file it compared just before renaming
+the new one into place, so a put renamed into place between that ``stat`` and
+the rename is overwritten, and Mooncake, which has no conditional write,
+compares a ``get`` with what was read and then upserts (a save landing within
+that round trip is overwritten). What such a lost save held is the same KV
+(same key, bit-exact re-encoding), in its codec.
+
 Bounds: one thread at the lowest CPU priority (nice 19: on a CPU engine it
 takes the cycles the engine leaves, about 1.5% of a core the engine wants,
 by the scheduler's weights), at most
@@ -99,7 +112,9 @@ class Upgrader:
             if len(new) >= len(blob):
                 self.stats.add(upgrades_not_smaller=1)
                 return
-            self.store.put(key, new)
+            if not self.store.replace(key, blob, new):  # saved anew, or gone, since the load read it: that stays
+                self.stats.add(upgrades_superseded=1)
+                return
             self.stats.add(upgraded_objects=1, upgraded_bytes_before=len(blob), upgraded_bytes_after=len(new),
                            upgraded_bytes_saved=len(blob) - len(new),
                            **{f"codec_{codec.codec_id}_upgrades": 1})
