@@ -89,3 +89,13 @@ def test_engines_that_differ_only_in_configuration_each_read_only_their_own_rows
     assert mine is not None and torch.equal(mine[:, : kv.shape[1]], kv)
     again = loads(engine(store, **differs), tokens)
     assert again is not None and torch.equal(again[:, : kv.shape[1]], theirs)
+
+
+def test_an_fp8_cache_is_keyed_with_the_dtype_its_model_computes_in(engine) -> None:
+    """fp8 rows of a bfloat16 engine and a float32 one hold other bytes for the same tokens (each rounds its K and V
+    before quantising them): the tier's namespace names the compute dtype, as the connector's does."""
+    store = f"memory://offload-{uuid.uuid4().hex}"
+    bf16 = engine(store, kv_cache_dtype="fp8", dtype="bfloat16").tier.namespace
+    fp32 = engine(store, kv_cache_dtype="fp8", dtype="float32").tier.namespace
+    assert (bf16.dtype, bf16.compute_dtype, fp32.compute_dtype) == ("fp8_e4m3", "bfloat16", "float32")
+    assert bf16.digest != fp32.digest

@@ -22,7 +22,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvcodec import key_hash
-from vllm_kvcodec.connector.cache_identity import cache_dtype_name
+from vllm_kvcodec.connector.cache_identity import cache_dtype_name, compute_dtype_name
 from vllm_kvcodec.identity import compute_identity, config_inputs, model_identity
 from vllm_kvcodec.keys import Namespace
 
@@ -39,9 +39,11 @@ def tier_namespace(vllm_config: "VllmConfig", config: "OffloadingConfig", row_by
     """Everything that must match for two engines' tiers to share rows: the connector's identity, this row layout."""
     model = vllm_config.model_config
     layers = model.get_total_num_hidden_layers()
+    dtype = cache_dtype_name(vllm_config.cache_config.cache_dtype, model.dtype)
     return Namespace(
         model_id=model_identity(model.model, model.revision, model.quantization),
-        dtype=cache_dtype_name(vllm_config.cache_config.cache_dtype, model.dtype),
+        dtype=dtype,
+        compute_dtype=compute_dtype_name(model.dtype, dtype),
         num_layers=layers,
         num_kv_heads=model.get_total_num_kv_heads(),
         head_dim=model.get_head_size(),
