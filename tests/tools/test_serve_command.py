@@ -12,29 +12,29 @@ import json
 import pytest
 
 from vllm_kvcodec.errors import ConfigError
-from vllm_kvcodec.tools.serve import WORKER_SHUTDOWN_ENV, plan_serve
+from vllm_kvcodec.tools.serve import plan_serve
 from vllm_kvcodec.tools.vllm_cli import vllm_version_lookup
 
 VLLM_ARGS = ["--dtype", "bfloat16", "--max-model-len=4096", "-tp", "1", "--port", "8001"]
 
 
 def test_every_other_argument_reaches_vllm_unchanged_and_in_order() -> None:
-    plan = plan_serve("MODEL", {"store": "redis://h:6379/0"}, VLLM_ARGS, environ={})
+    plan = plan_serve("MODEL", {"store": "redis://h:6379/0"}, VLLM_ARGS)
     assert plan.argv[:3] == ["serve", "MODEL", "--kv-transfer-config"]
     transfer = json.loads(plan.argv[3])
     assert transfer["kv_connector"] == "KVCodecConnector" and transfer["kv_role"] == "kv_both"
     assert transfer["kv_connector_extra_config"] == {"store": "redis://h:6379/0"}
     assert plan.argv[4:4 + len(VLLM_ARGS)] == VLLM_ARGS
-    # shutdown_flush_s (10 s) plus the engine's teardown, and the worker's own exit bound
+    # shutdown_flush_s (10 s), for which vLLM's drain steps while saves are queued, plus the engine's teardown
     assert plan.argv[4 + len(VLLM_ARGS):] == ["--shutdown-timeout", "20"]
-    assert plan.env == {WORKER_SHUTDOWN_ENV: "15"} and not plan.notes
+    assert not plan.notes
 
 
-def test_the_users_shutdown_bounds_are_kept_and_a_short_one_is_pointed_out() -> None:
-    plan = plan_serve("MODEL", {"shutdown_flush_s": 30}, ["--shutdown-timeout", "5"], environ={WORKER_SHUTDOWN_ENV: "9"})
+def test_the_users_shutdown_timeout_is_kept_and_a_short_one_is_pointed_out() -> None:
+    plan = plan_serve("MODEL", {"shutdown_flush_s": 30}, ["--shutdown-timeout", "5"])
     assert plan.argv.count("--shutdown-timeout") == 1 and plan.argv[-1] == "5"
-    assert plan.env == {} and "may kill the engine before queued saves are stored" in plan.notes[0]
-    assert plan_serve("MODEL", {}, ["--shutdown-timeout=60"], environ={}).notes == []
+    assert "may kill the engine before queued saves are stored" in plan.notes[0]
+    assert plan_serve("MODEL", {}, ["--shutdown-timeout=60"]).notes == []
 
 
 @pytest.mark.parametrize("model,extra,args,message", [
@@ -46,7 +46,7 @@ def test_the_users_shutdown_bounds_are_kept_and_a_short_one_is_pointed_out() -> 
 ])
 def test_bad_arguments_stop_before_vllm_starts(model: str, extra: dict, args: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        plan_serve(model, extra, args, environ={})
+        plan_serve(model, extra, args)
 
 
 def _lookup(known: dict[str, str]):

@@ -12,6 +12,7 @@ passes on to the scheduler half: a save that did not land is planned again.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -51,6 +52,14 @@ def yield_to_engine(nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
+@dataclasses.dataclass(frozen=True)
+class SaveCounts:
+    """Chunk saves that ended since the saver started: stored, or failed (encode or put)."""
+
+    landed: int = 0
+    failed: int = 0
+
+
 class Saver:
     def __init__(
         self,
@@ -73,6 +82,7 @@ class Saver:
         self._pending = 0
         self._waiting = 0  # submitted chunks no thread has started on
         self._futures: set[Future] = set()
+        self._ended = SaveCounts()
         self._last_drop_log = -DROP_LOG_INTERVAL_S
         self._drops_unlogged = 0
 
@@ -98,6 +108,15 @@ class Saver:
         """Nothing reserved, queued or being encoded: spare CPU for work that may wait (upgrades)."""
         with self._lock:
             return self._pending == 0 and self._waiting == 0 and not self._futures
+
+    def in_flight(self) -> int:
+        """Chunk saves queued or being encoded and stored."""
+        with self._lock:
+            return len(self._futures)
+
+    def counts(self) -> SaveCounts:
+        with self._lock:
+            return self._ended
 
     def unreserve(self, nbytes: int) -> None:
         """Give back a reservation whose chunk will not be submitted."""
@@ -195,6 +214,8 @@ class Saver:
         finally:
             with self._lock:
                 self._pending -= nbytes
+                ended = self._ended
+                self._ended = SaveCounts(ended.landed + landed, ended.failed + (not landed))
             self.report(SaveOutcome(req_id, chunk_hash, landed))
 
     def _put_refs(self, chunk_hash: str, tokens: int, refs: Sequence[tuple[str, int]]) -> None:
@@ -230,23 +251,28 @@ class Saver:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Store what is queued within ``timeout`` seconds (the connector's ``shutdown_flush_s``), then stop.
+    def shutdown(self, timeout: float = 30.0, since: SaveCounts | None = None) -> None:
+        """Store what is queued within ``timeout`` seconds (what is left of the connector's ``shutdown_flush_s``),
+        then stop, and say what became of the saves queued since ``since``, the counts when the engine last
+        stopped computing (vLLM's drain at shutdown stores most of them before: see background_work.py).
 
         A queued save is a chunk the next engine would otherwise recompute, so
         shutdown waits for it, but not without bound: vLLM kills the engine at
         its own shutdown timeout. What is left at the bound is dropped, and
         said so (how many), rather than lost without a word.
         """
-        with self._lock:
-            queued = len(self._futures)
+        queued, before = self.in_flight(), self.counts()
         t0 = time.monotonic()
         stored_all = self.flush(timeout)
-        with self._lock:
-            left = len(self._futures)
+        left = self.in_flight()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if stored_all:
-            logger.info("kvcodec: shutdown: stored the %d queued chunk save(s) in %.2f s", queued, time.monotonic() - t0)
-        else:
-            logger.warning("kvcodec: shutdown: %d of %d queued chunk save(s) not stored within %.1f s "
-                           "(shutdown_flush_s); dropped, they will be recomputed", left, queued, timeout)
+        after, since = self.counts(), since or before
+        earlier, now = before.landed - since.landed, after.landed - before.landed
+        failed = f"; {after.failed - since.failed} failed" if after.failed > since.failed else ""
+        logger.info("kvcodec: shutdown: stored the %d chunk save(s) still queued when the engine stopped computing "
+                    "(%d before shutdown, %d at shutdown in %.2f s)%s", earlier + now, earlier, now,
+                    time.monotonic() - t0, failed)
+        if not stored_all:
+            logger.warning("kvcodec: shutdown: %d of the %d chunk save(s) queued at shutdown not stored within "
+                           "%.1f s (what was left of shutdown_flush_s); dropped, they will be recomputed", left,
+                           queued, timeout)

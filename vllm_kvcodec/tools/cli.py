@@ -382,7 +382,6 @@ def serve(
 ) -> None:
     """vLLM's OpenAI-compatible server with the connector: `kvcodec serve MODEL --store URL [vllm serve arguments]`."""
     import json
-    import os
 
     from vllm_kvcodec.errors import ConfigError
     from vllm_kvcodec.tools import vllm_cli
@@ -396,12 +395,11 @@ def serve(
     if not isinstance(more, dict):
         fail("--connector-config must be a JSON object of kv_connector_extra_config keys")
     try:
-        plan = plan_serve(model, {**extra, **more}, ctx.args, os.environ)
+        plan = plan_serve(model, {**extra, **more}, ctx.args)
     except ConfigError as exc:
         fail(exc)
     for note in plan.notes:
         typer.echo(note, err=True)
-    os.environ.update(plan.env)  # vLLM's processes inherit it
     vllm_cli.run(plan.argv)
 
 
