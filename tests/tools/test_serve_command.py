@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -35,6 +38,13 @@ def test_the_users_shutdown_timeout_is_kept_and_a_short_one_is_pointed_out() -> 
     assert plan.argv.count("--shutdown-timeout") == 1 and plan.argv[-1] == "5"
     assert "may kill the engine before queued saves are stored" in plan.notes[0]
     assert plan_serve("MODEL", {}, ["--shutdown-timeout=60"]).notes == []
+
+
+def test_the_help_says_where_the_vllm_serve_arguments_go() -> None:
+    done = subprocess.run([sys.executable, "-m", "vllm_kvcodec.tools.cli", "serve", "--help"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "`kvcodec serve MODEL --store URL [any vllm serve arguments]`" in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize("model,extra,args,message", [

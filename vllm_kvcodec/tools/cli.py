@@ -374,13 +374,16 @@ def config(
 )
 def serve(
     ctx: typer.Context,
-    model: str = typer.Argument(..., help="Model to serve (a local folder or a hub name), as for `vllm serve`."),
+    model: str = typer.Argument(..., metavar="MODEL",
+                                help="Model to serve (a local folder or a hub name), as for `vllm serve`."),
     store: Optional[str] = typer.Option(None, help="Store URL (default: the embedded file store)."),
     codec: Optional[str] = typer.Option(None, help="Codec id or 'auto' (default: the densest for the model's dtype)."),
     connector_config: Optional[str] = typer.Option(
         None, "--connector-config", help='More kv_connector_extra_config keys, as a JSON object: \'{"chunk_size": 512}\'.'),
 ) -> None:
-    """vLLM's OpenAI-compatible server with the connector: `kvcodec serve MODEL --store URL [vllm serve arguments]`."""
+    # The help text is rich markup: a bare "[any ...]" would be read as a tag and dropped.
+    """vLLM's OpenAI-compatible server with the connector: `kvcodec serve MODEL --store URL \\[any vllm serve
+    arguments]`."""
     import json
 
     from vllm_kvcodec.errors import ConfigError
