@@ -12,10 +12,10 @@
 #      `vllm` command fails at start-up);
 #   3. sends two /v1/completions requests whose prompts share a ~1500-token prefix of real
 #      text (CPython's pydoc topics) and differ in a short suffix, printing each TTFT;
-#   4. restarts vllm serve (a fresh process, same Redis) and sends the second prompt again:
-#      its prefix now comes from Redis (a cross-instance hit);
+#   4. stops that server and starts a fresh `kvcodec serve` (a new process, same Redis), and
+#      sends the second prompt again: its prefix now comes from Redis (a cross-instance hit);
 #   5. runs `kvcodec inspect redis://...` and checks that chunks are stored.
-# Everything it started (redis-server, vllm serve and its engine process) is stopped on
+# Everything it started (redis-server, the server and its engine processes) is stopped on
 # exit, also on failure or Ctrl-C. Exit status 0 means every step worked.
 #
 # TTFT here = client-side time from sending the request to the first streamed token
@@ -25,7 +25,7 @@
 #   VENV=.venv            virtual environment holding vllm, kvcodec and python
 #   MODEL=<path or name>  model to serve (default: the local SmolLM2-135M-Instruct folder)
 #   PREFIX_TOKENS=1500    tokens of shared prefix
-#   START_TIMEOUT=240     seconds to wait for each vllm serve to answer /health
+#   START_TIMEOUT=240     seconds to wait for each server to answer /health
 #   OMP_NUM_THREADS       CPU threads of the engine (default: vLLM's choice)
 #   KEEP_LOGS=1           keep the temp dir with the server logs
 set -euo pipefail
@@ -42,7 +42,7 @@ START_TIMEOUT=${START_TIMEOUT:-240}
 command -v redis-server >/dev/null || { echo "error: redis-server not on PATH (apt-get install redis-server)" >&2; exit 2; }
 command -v curl >/dev/null || { echo "error: curl not on PATH" >&2; exit 2; }
 
-# CPU engine settings (see docs/quickstart.md); vllm serve runs its engine in a separate process.
+# CPU engine settings (see docs/quickstart.md); the server runs its engine in a separate process.
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -51,7 +51,7 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=1
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/kvcodec-serve.XXXXXX")
 REDIS_PID="" VLLM_PID="" VLLM_LOG=""
 
-stop_group() {  # stop a process we started with setsid: TERM its leader (vllm serve then shuts its
+stop_group() {  # stop a process we started with setsid: TERM its leader (the server then shuts its
   local pid=$1 i  # engine down itself, storing queued saves), then KILL what is left of its group after 40 s
   kill -0 "$pid" 2>/dev/null || return 0
   kill -TERM "$pid" 2>/dev/null || true
@@ -116,11 +116,11 @@ start_vllm() {  # $1 = log name
   VLLM_PID=$!
   local t0=$SECONDS
   until curl -sf -o /dev/null "http://127.0.0.1:$VLLM_PORT/health"; do
-    kill -0 "$VLLM_PID" 2>/dev/null || fail "vllm serve exited before answering /health"
-    ((SECONDS - t0 < START_TIMEOUT)) || fail "vllm serve did not answer /health within ${START_TIMEOUT}s"
+    kill -0 "$VLLM_PID" 2>/dev/null || fail "kvcodec serve exited before answering /health"
+    ((SECONDS - t0 < START_TIMEOUT)) || fail "kvcodec serve did not answer /health within ${START_TIMEOUT}s"
     sleep 1
   done
-  echo "vllm serve ($1): http://127.0.0.1:$VLLM_PORT ready after $((SECONDS - t0)) s (pid $VLLM_PID)"
+  echo "kvcodec serve ($1): http://127.0.0.1:$VLLM_PORT ready after $((SECONDS - t0)) s (pid $VLLM_PID)"
 }
 
 stop_vllm() {
@@ -180,9 +180,9 @@ start_vllm serve-1
 ttft prompt_a.txt "request 1 (instance 1, cold: computes and saves the prefix)"
 ttft prompt_b.txt "request 2 (instance 1, same prefix, other suffix)"
 
-# ---- 4. a fresh vllm serve, same Redis --------------------------------------------------------
+# ---- 4. a fresh kvcodec serve, same Redis -----------------------------------------------------
 stop_vllm
-echo "vllm serve (serve-1) stopped; starting a fresh one on the same Redis"
+echo "kvcodec serve (serve-1) stopped; starting a fresh one on the same Redis"
 start_vllm serve-2
 redis_hits() { "$PY" -c 'import redis, sys; print(redis.Redis.from_url(sys.argv[1]).info("stats")["keyspace_hits"])' "$STORE"; }
 HITS0=$(redis_hits)

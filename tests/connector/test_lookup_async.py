@@ -309,6 +309,36 @@ def test_auto_never_holds_a_step_on_a_store_that_hangs(tmp_path, store) -> None:
     e.assert_empty()
 
 
+def test_auto_takes_no_answer_time_from_a_store_that_is_down(tmp_path, store, caplog) -> None:
+    """A store down from the start refuses every lookup at once (the outage guard): those refusals are no answer
+    time, so lookups stay on the thread and no line claims one; once the store answers, they move within the
+    step on a time it really took."""
+    from storage.testing.faults import find_fault_injector
+
+    caplog.set_level(logging.INFO, logger="vllm_kvcodec")
+    e = make(tmp_path, f"faults+{fast_link(store)}&down=1", lookup="auto", lookup_budget_ms=500, store_retry_s=0.2,
+             settle_lookups=False)
+    budget = e.connector.scheduler.lookups.budget
+    for i in range(3):
+        e.add(f"down{i}", prompt(100, i), max_tokens=1)
+        e.run(max_steps=2000)
+    stats = e.scheduler_stats()
+    assert stats["lookup_failures"] >= 3 and not budget.inline
+    assert not [r for r in caplog.records if "lookups answered within the step" in r.getMessage()]
+    find_fault_injector(e.connector.scheduler.store).up()
+    for i in range(40):  # lookups on the thread until the store, tried again after store_retry_s, answers one
+        time.sleep(0.05)
+        e.add(f"up{i}", prompt(100, 10 + i), max_tokens=1)
+        e.run(max_steps=2000)
+        if budget.inline:
+            break
+    assert budget.inline and budget.cost() is not None
+    messages = dict.fromkeys((r.created, r.getMessage()) for r in caplog.records)  # once per record
+    said = [m for _, m in messages if "lookups answered within the step" in m]
+    assert len(said) == 1, said
+    e.assert_empty()
+
+
 # ---- lookups nobody waits for are not sent ------------------------------------------------------------------------
 def test_a_stalled_store_runs_no_probe_after_its_deadline(tmp_path, store) -> None:
     """The store stalls on the first batch while two more steps' batches queue behind it; every deadline passes

@@ -553,11 +553,16 @@ class Engine:
                     self.finished[o.request_id] = o.finish_reason
 
     def run(self, max_steps: int = 200, until: Callable[["Engine"], bool] | None = None) -> None:
-        """Step until every request finished (or ``until`` holds); a request that never finishes is a violation."""
+        """Step until every request finished (or ``until`` holds); a request that never finishes is a violation.
+
+        Not while only the connector's background work would keep vLLM's busy loop stepping
+        (``has_pending_push_work``): a scenario is over when its requests are.
+        """
+        s = self.scheduler
         for _ in range(max_steps):
             if until is not None and until(self):
                 return
-            if until is None and not self.scheduler.has_requests():
+            if until is None and not (s.has_unfinished_requests() or s.has_finished_requests()):
                 if self._pending is None:
                     return
                 self.deliver()

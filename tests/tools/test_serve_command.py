@@ -8,33 +8,43 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from vllm_kvcodec.errors import ConfigError
-from vllm_kvcodec.tools.serve import WORKER_SHUTDOWN_ENV, plan_serve
+from vllm_kvcodec.tools.serve import plan_serve
 from vllm_kvcodec.tools.vllm_cli import vllm_version_lookup
 
 VLLM_ARGS = ["--dtype", "bfloat16", "--max-model-len=4096", "-tp", "1", "--port", "8001"]
 
 
 def test_every_other_argument_reaches_vllm_unchanged_and_in_order() -> None:
-    plan = plan_serve("MODEL", {"store": "redis://h:6379/0"}, VLLM_ARGS, environ={})
+    plan = plan_serve("MODEL", {"store": "redis://h:6379/0"}, VLLM_ARGS)
     assert plan.argv[:3] == ["serve", "MODEL", "--kv-transfer-config"]
     transfer = json.loads(plan.argv[3])
     assert transfer["kv_connector"] == "KVCodecConnector" and transfer["kv_role"] == "kv_both"
     assert transfer["kv_connector_extra_config"] == {"store": "redis://h:6379/0"}
     assert plan.argv[4:4 + len(VLLM_ARGS)] == VLLM_ARGS
-    # shutdown_flush_s (10 s) plus the engine's teardown, and the worker's own exit bound
+    # shutdown_flush_s (10 s), for which vLLM's drain steps while saves are queued, plus the engine's teardown
     assert plan.argv[4 + len(VLLM_ARGS):] == ["--shutdown-timeout", "20"]
-    assert plan.env == {WORKER_SHUTDOWN_ENV: "15"} and not plan.notes
+    assert not plan.notes
 
 
-def test_the_users_shutdown_bounds_are_kept_and_a_short_one_is_pointed_out() -> None:
-    plan = plan_serve("MODEL", {"shutdown_flush_s": 30}, ["--shutdown-timeout", "5"], environ={WORKER_SHUTDOWN_ENV: "9"})
+def test_the_users_shutdown_timeout_is_kept_and_a_short_one_is_pointed_out() -> None:
+    plan = plan_serve("MODEL", {"shutdown_flush_s": 30}, ["--shutdown-timeout", "5"])
     assert plan.argv.count("--shutdown-timeout") == 1 and plan.argv[-1] == "5"
-    assert plan.env == {} and "may kill the engine before queued saves are stored" in plan.notes[0]
-    assert plan_serve("MODEL", {}, ["--shutdown-timeout=60"], environ={}).notes == []
+    assert "may kill the engine before queued saves are stored" in plan.notes[0]
+    assert plan_serve("MODEL", {}, ["--shutdown-timeout=60"]).notes == []
+
+
+def test_the_help_says_where_the_vllm_serve_arguments_go() -> None:
+    done = subprocess.run([sys.executable, "-m", "vllm_kvcodec.tools.cli", "serve", "--help"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "`kvcodec serve MODEL --store URL [any vllm serve arguments]`" in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize("model,extra,args,message", [
@@ -46,7 +56,7 @@ def test_the_users_shutdown_bounds_are_kept_and_a_short_one_is_pointed_out() -> 
 ])
 def test_bad_arguments_stop_before_vllm_starts(model: str, extra: dict, args: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        plan_serve(model, extra, args, environ={})
+        plan_serve(model, extra, args)
 
 
 def no_platform_default() -> None:
@@ -71,8 +81,8 @@ def test_chunk_size_is_checked_against_the_block_size_vllm_will_use(args: list[s
                                                                     accepted: str) -> None:
     extra = {"chunk_size": 320}
     with pytest.raises(ConfigError, match=REFUSED_320):
-        plan_serve("MODEL", extra, [a.format(refused) for a in args], environ={})
-    plan = plan_serve("MODEL", extra, [a.format(accepted) for a in args], environ={})
+        plan_serve("MODEL", extra, [a.format(refused) for a in args])
+    plan = plan_serve("MODEL", extra, [a.format(accepted) for a in args])
     assert json.loads(plan.argv[3])["kv_connector_extra_config"] == extra
 
 
@@ -84,11 +94,11 @@ def no_platform_default() -> None:
 def test_without_block_size_the_platforms_default_is_the_rule() -> None:
     with pytest.raises(ConfigError, match=r"chunk_size 320 must be a multiple of vLLM's block_size 128 \(vLLM's default "
                                           r"on this machine; --block-size sets it\); use chunk_size 256 or 384"):
-        plan_serve("MODEL", {"chunk_size": 320}, [], environ={})  # the CPU: 128
-    assert plan_serve("MODEL", {"chunk_size": 320}, ["--config", "serve.yaml"], environ={})  # the file may set it
-    assert plan_serve("MODEL", {"chunk_size": 320}, [], environ={}, default_block_size=no_platform_default)
+        plan_serve("MODEL", {"chunk_size": 320}, [])  # the CPU: 128
+    assert plan_serve("MODEL", {"chunk_size": 320}, ["--config", "serve.yaml"])  # the file may set it
+    assert plan_serve("MODEL", {"chunk_size": 320}, [], default_block_size=no_platform_default)
     with pytest.raises(ConfigError, match="fits no vLLM block size.*multiple of 32 on vLLM's CPU backend"):
-        plan_serve("MODEL", {"chunk_size": 100}, [], environ={}, default_block_size=no_platform_default)
+        plan_serve("MODEL", {"chunk_size": 100}, [], default_block_size=no_platform_default)
 
 
 def test_the_cpu_default_block_size_is_vllms() -> None:

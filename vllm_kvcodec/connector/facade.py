@@ -229,6 +229,11 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
         its own set of workers, and all of them must report the namespace the scheduler keys chunks in."""
         self._s.adopt_handshake({i: h for i, h in enumerate(metadata.values())})
 
+    def has_pending_push_work(self) -> bool:
+        """Saves or upgrades in flight on the workers: vLLM steps an idle engine for them, so their counters reach
+        /metrics as they land (for at most shutdown_flush_s; see background_work.py)."""
+        return self.scheduler is not None and self.scheduler.keep_stepping.wanted()
+
     @property
     def requires_kv_delivery(self) -> bool:
         """A cache, not a producer handing KV to a consumer: a save that does not happen is a future miss."""

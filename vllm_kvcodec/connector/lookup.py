@@ -84,9 +84,10 @@ class Tail:
 class Answer:
     """How many leading chunks the store holds, and the longest stored tail right after them.
 
-    ``how``: ``store`` (the store answered, or could not and said so:
-    a miss counted by the caller of ``exists_many``), ``timeout`` or
-    ``queue_full`` (an asynchronous probe given up on: a miss).
+    ``how``: ``store`` (the store answered), ``unanswered`` (it could
+    not, and said so: a miss counted by the caller of ``exists_many``),
+    ``timeout`` or ``queue_full`` (an asynchronous probe given up on: a
+    miss).
     """
 
     hit: int
@@ -95,6 +96,7 @@ class Answer:
 
 
 MISS = Answer(0)
+UNANSWERED = Answer(0, how="unanswered")
 TIMED_OUT = Answer(0, how="timeout")
 #: Counters of the requests answered with a miss because their probe was given up on.
 _GIVEN_UP = {"timeout": "lookup_timeouts", "queue_full": "lookups_queue_full"}
@@ -134,7 +136,7 @@ def answer_questions(questions: Sequence[Question], stored: Stored, resolve: Res
     chunk_keys = list(dict.fromkeys(h for q in questions for h in q.chunk_hashes))
     found = stored(chunk_keys) if chunk_keys else []
     if found is None:
-        return [MISS] * len(questions)
+        return [UNANSWERED] * len(questions)
     if expired is not None and expired():
         return [TIMED_OUT] * len(questions)
     present = dict(zip(chunk_keys, found))
@@ -170,6 +172,15 @@ class _Probe:
 PROBES = 3
 
 
+@dataclasses.dataclass(frozen=True)
+class _Timed:
+    """How long one batch (or probe) kept the store busy, and whether it answered: a call refused at once while
+    the store is down says nothing of how fast the store answers."""
+
+    seconds: float
+    answered: bool
+
+
 class AsyncLookup:
     """The lookup thread and what the scheduler thread keeps about its questions.
 
@@ -197,7 +208,7 @@ class AsyncLookup:
         self._batch: list[_Probe] = []  # asked this step, submitted at its end
         self._asked = False  # this step created a question
         self._queue: queue.Queue[list[_Probe] | None] = queue.Queue(maxsize=max_batches)
-        self._answers: queue.SimpleQueue[tuple[list[tuple[_Probe, Answer]], float | None]] = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue[tuple[list[tuple[_Probe, Answer]], _Timed | None]] = queue.SimpleQueue()
         self._unanswered = 0  # batches queued or being answered (wait_idle)
         self._idle = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -319,11 +330,13 @@ class AsyncLookup:
     def _drain(self) -> None:
         while True:
             try:
-                answers, seconds = self._answers.get_nowait()
+                answers, timing = self._answers.get_nowait()
             except queue.Empty:
                 return
-            if seconds is not None and self.budget is not None:
-                self.budget.observe(seconds)
+            if self.budget is not None and timing is not None and timing.answered:
+                self.budget.observe(timing.seconds)
+            elif self.budget is not None and timing is not None:
+                self.budget.unanswered()
             for probe, answer in answers:
                 if probe.answer is None:  # not given up on meanwhile (timeout)
                     self._settle(probe, answer)
@@ -361,8 +374,8 @@ class AsyncLookup:
                 self._unanswered -= 1
                 self._idle.notify_all()
 
-    def _answer(self, batch: list[_Probe]) -> tuple[list[tuple[_Probe, Answer]], float | None]:
-        """The batch's answers, and the seconds the store took (None: nothing was sent).
+    def _answer(self, batch: list[_Probe]) -> tuple[list[tuple[_Probe, Answer]], _Timed | None]:
+        """The batch's answers, and how long the store took to give them (None: nothing was sent).
 
         A question nobody waits for any more (its requests ended) or past its
         deadline (the scheduler has answered it with a miss, or will) is not
@@ -388,13 +401,14 @@ class AsyncLookup:
         except Exception:  # noqa: BLE001 - never let a lookup kill the thread: a miss
             logger.exception("kvcodec: lookup failed; computing those prefixes")
             self.stats.add(lookup_failures=1)
-            answers = [MISS] * len(live)
+            answers = [UNANSWERED] * len(live)
         finally:
             if self.budget is not None:
                 self.budget.answering(None)
         if skipped := len(late) + sum(a is TIMED_OUT for a in answers):
             self.stats.add(lookups_skipped_late=skipped)
-        return out + list(zip(live, answers)), time.monotonic() - now
+        answered = any(a is not UNANSWERED for a in answers)
+        return out + list(zip(live, answers)), _Timed(time.monotonic() - now, answered)
 
     def _measure(self) -> None:
         """What a lookup costs before any request asks: a few existence checks of a key no chunk has."""
@@ -406,7 +420,8 @@ class AsyncLookup:
             except Exception as exc:  # noqa: BLE001 - a store not up yet: measured by the first lookups instead
                 logger.info("kvcodec: probing the store's round trip failed (%s); lookups stay on the thread until "
                             "the store answers", exc)
+                self._answers.put(([], _Timed(time.monotonic() - started, answered=False)))
                 return
             finally:
                 self.budget.answering(None)  # type: ignore[union-attr]
-            self._answers.put(([], time.monotonic() - started))
+            self._answers.put(([], _Timed(time.monotonic() - started, answered=True)))

@@ -28,6 +28,11 @@ costs fits the step's budget, and does not wait at all while it does not.
   not flip the choice every step. The choice starts on the thread, is
   logged when first made and at every switch, and exported (switches, steps
   per mode, seconds waited).
+- **A store that does not answer** (down: the outage guard refuses each
+  call at once; or erring) is not measured: a refusal in 0.1 ms says
+  nothing of how fast the store answers. Until it answers again nothing
+  moves lookups back within the step (they stay where they are, or go to
+  the thread if a call hangs), so every logged figure is an answer time.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class LookupBudget:
         self._steps: collections.deque[float] = collections.deque(maxlen=STEPS)
         self._last_end: float | None = None
         self._last_ran = False
+        self._unanswered = False  # the store's last batch got no answer: not back within the step until one does
 
     # ---- lookup thread ------------------------------------------------------------
     def answering(self, since: float | None) -> None:
@@ -78,9 +84,14 @@ class LookupBudget:
     # ---- scheduler thread ---------------------------------------------------------
     def observe(self, seconds: float) -> None:
         """The store answered a batch (or the start-up probe) in ``seconds``."""
+        self._unanswered = False
         self._costs.append(seconds)
         self.stats.sample(lookup_s=seconds)
         self.choose()
+
+    def unanswered(self) -> None:
+        """The store did not answer a batch (or the probe): no sample, and no way back within the step for now."""
+        self._unanswered = True
 
     def cost(self) -> float | None:
         """Seconds a lookup costs the store, as far as known: at least as long as the batch in the thread has taken."""
@@ -112,11 +123,11 @@ class LookupBudget:
 
     def choose(self) -> None:
         cost = self.cost()
-        if cost is None:
+        if cost is None or (self._unanswered and not self._decided):
             return
         if self.inline and cost > self.budget_s:
             self._switch(False, cost)
-        elif not self.inline and cost <= self.budget_s * HYSTERESIS:
+        elif not self.inline and cost <= self.budget_s * HYSTERESIS and not self._unanswered:
             self._switch(True, cost)
         elif not self._decided:
             self._switch(self.inline, cost)
@@ -128,6 +139,7 @@ class LookupBudget:
         if inline:
             logger.info("kvcodec: lookups answered within the step: the store answers one in %.2f ms, within the "
                         "step's budget of %.2f ms", cost * 1e3, self.budget_s * 1e3)
-        else:
+        else:  # a first choice stays on the thread from half the budget on (see HYSTERESIS)
             logger.info("kvcodec: lookups on the lookup thread (answered the next step): the store takes %.2f ms a "
-                        "lookup, over the step's budget of %.2f ms", cost * 1e3, self.budget_s * 1e3)
+                        "lookup, %s the step's budget of %.2f ms", cost * 1e3,
+                        "over" if cost > self.budget_s else "over half of", self.budget_s * 1e3)

@@ -148,11 +148,17 @@ class KVCodecWorkerReport(KVConnectorWorkerMetadata):
     ``save_room``: bytes the fullest worker's save queue could take when the
     report was built (None: no saver). A snapshot, not an event, so it is
     current whatever order the outcomes before it arrived in.
+
+    ``background``: saves and upgrades in flight on the workers that told
+    (each tells in every step while it has any, and once when it has none
+    left; None: nobody told, so none is in flight): what vLLM keeps an idle
+    engine stepping for (see background_work.py).
     """
 
     loads: dict[str, LoadOutcome] = dataclasses.field(default_factory=dict)
     saves: list[SaveOutcome] = dataclasses.field(default_factory=list)
     save_room: int | None = None
+    background: int | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVCodecWorkerReport":
         assert isinstance(other, KVCodecWorkerReport)
@@ -160,7 +166,9 @@ class KVCodecWorkerReport(KVConnectorWorkerMetadata):
         for req_id, outcome in other.loads.items():
             loads[req_id] = loads[req_id].merge(outcome) if req_id in loads else outcome
         rooms = [r for r in (self.save_room, other.save_room) if r is not None]
-        return KVCodecWorkerReport(loads, self.saves + other.saves, min(rooms) if rooms else None)
+        told = [b for b in (self.background, other.background) if b is not None]
+        return KVCodecWorkerReport(loads, self.saves + other.saves, min(rooms) if rooms else None,
+                                   sum(told) if told else None)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves)
+        return bool(self.loads or self.saves) or self.background is not None

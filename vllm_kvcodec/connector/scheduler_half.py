@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from storage import StoreError
 from storage.outage import StoreDownError
 from vllm_kvcodec.block_refs import Ref, parse_ref, prefix_hashes, ref_key
+from vllm_kvcodec.connector.background_work import KeepStepping
 from vllm_kvcodec.connector.cache_groups import CacheGroups
 from vllm_kvcodec.connector.cache_identity import agreed_scales, is_fp8
 from vllm_kvcodec.connector.config import ConnectorConfig
@@ -143,6 +144,7 @@ class SchedulerHalf:
         self.ledger = LoadLedger(inflight_ttl_s=config.load_timeout_s + INFLIGHT_SLACK_S, loaders=loaders)
         self.claims = SaveClaims()
         self.events = StoreEvents.off()  # the facade turns them on when vLLM publishes KV events
+        self.keep_stepping = KeepStepping(config.shutdown_flush_s)  # for the workers' saves and upgrades in flight
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
         self._requests: dict[str, _Tracked] = {}
         self._awaiting_room: dict[str, None] = {}  # requests with saves dropped for want of queue room, oldest first
@@ -456,6 +458,7 @@ class SchedulerHalf:
     # ---- per step -------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVCodecMetadata:
         idle = not scheduler_output.total_num_scheduled_tokens
+        self.keep_stepping.step(idle)
         if self.lookups is not None:
             self.lookups.flush(ran=not idle)  # the step's lookups, one batch, answered while the step runs
             if idle and self.lookups.in_flight():
@@ -637,6 +640,7 @@ class SchedulerHalf:
                 self._save_settled(save)
         if report.save_room is not None:
             self._room_freed(report.save_room)
+        self.keep_stepping.reported(report.background)
 
     def _load_settled(self, req_id: str, outcome: LoadOutcome) -> None:
         """Settle the load the outcome names (``load_id``) once every worker that runs it reported (a rank that

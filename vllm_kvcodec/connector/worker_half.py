@@ -26,6 +26,7 @@ from storage.options import redact_url
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from vllm_kvcodec.codecs.choice import CodecChooser
+from vllm_kvcodec.connector.background_work import BackgroundTally
 from vllm_kvcodec.connector.cache_groups import CacheGroups, layer_index
 from vllm_kvcodec.connector.cache_identity import KVCodecHandshake, is_fp8, scales_digest
 from vllm_kvcodec.connector.config import ConnectorConfig
@@ -45,7 +46,7 @@ from vllm_kvcodec.paged import CANONICAL_NAMESPACE, layouts_for, shared_kv_layer
 from vllm_kvcodec.paged.objects import object_layout_for
 from vllm_kvcodec.save.gather import SaveGather, chunk_nbytes, save_gather_for
 from vllm_kvcodec.save.held_saves import HOLD_SLACK_S, HeldSaves
-from vllm_kvcodec.save.saver import Saver
+from vllm_kvcodec.save.saver import SaveCounts, Saver
 from vllm_kvcodec.save.upgrade import Upgrader
 from vllm_kvcodec.stats import ConnectorStats
 from vllm_kvcodec.connector.store_access import open_connector_store
@@ -54,7 +55,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = logging.getLogger("vllm_kvcodec")
-#: How long an idle step waits for an async load: a request arriving meanwhile is scheduled that much later.
+#: How long an idle step waits for an async load, or for background work to progress (background_work.py): a
+#: request arriving meanwhile is scheduled that much later.
 IDLE_POLL_S = 0.01
 #: Bytes beyond its raw KV an object may hold (header, codec framing): what a prefetch reserves at most.
 PREFETCH_SLACK = 4096
@@ -103,6 +105,7 @@ class WorkerHalf:
         self.recent_loads: collections.deque = collections.deque(maxlen=64)  # for inspection and tests
         self.save_gather: SaveGather | None = None
         self.upgrader: Upgrader | None = None
+        self.background = BackgroundTally(self._background_in_flight, self._save_counts)
         reuse_large_buffers()
         warm_up(DType.parse(namespace.dtype).torch_dtype)  # compile codec kernels now, not in the first load
 
@@ -152,7 +155,8 @@ class WorkerHalf:
         self.save_gather = save_gather_for(caches, ordered, self.saver, self.layer_cache_groups, self.objects)
         self.fetcher.placement.block_reads = self.save_gather.block_reads  # loads wait for reads of their blocks
         if self.config.save and self.config.upgrade_fallback_chunks and self.chooser.behind is not None:
-            self.upgrader = Upgrader(self.store, self.chooser, self.saver.idle, self.stats)
+            self.upgrader = Upgrader(self.store, self.chooser, self.saver.idle, self.stats,
+                                     ended=self.background.progressed)
             self.fetcher.after_load = self.upgrader.offer
         self.chooser.token_axis = self.objects.token_axis
         if self.chooser.auto and self.config.save:  # a load-only instance chooses no codec: it writes nothing
@@ -357,11 +361,15 @@ class WorkerHalf:
         """Finished async loads, and (several KV cache groups) which of them failed: vLLM recomputes those requests.
 
         In a step with nothing scheduled (``idle``) this waits up to
-        ``IDLE_POLL_S`` for a pending load to finish, GIL released, instead of
-        letting vLLM's loop spin against the fetch threads.
+        ``IDLE_POLL_S`` for a pending load to finish, or for background work
+        to progress, GIL released, instead of letting vLLM's loop spin
+        against the fetch or save threads.
         """
-        if idle:
+        self.background.step(idle)
+        if idle and self._async_jobs:
             self._await_any_async_load(IDLE_POLL_S)
+        elif idle:
+            self.background.wait(IDLE_POLL_S)  # vLLM steps for saves and upgrades in flight: poll, do not spin
         sending, done = self.get_finished(finished_req_ids)
         done = done or set()
         failed, self._failed_recving = self._failed_recving & done, self._failed_recving - done
@@ -382,13 +390,23 @@ class WorkerHalf:
         with self._outcome_lock:
             saves, self._save_outcomes = self._save_outcomes, []
         loads, self._load_outcomes = self._load_outcomes, {}
-        if not loads and not saves:
+        background = self.background.report()
+        if not loads and not saves and background is None:
             return None
-        return KVCodecWorkerReport(loads, saves, None if self.saver is None else self.saver.room())
+        return KVCodecWorkerReport(loads, saves, None if self.saver is None else self.saver.room(), background)
 
     def _save_settled(self, outcome: SaveOutcome) -> None:
         with self._outcome_lock:
             self._save_outcomes.append(outcome)
+        self.background.progressed()
+
+    def _background_in_flight(self) -> int:
+        """Saves and upgrades queued or running: what vLLM keeps an idle engine stepping for."""
+        saves = 0 if self.saver is None else self.saver.in_flight()
+        return saves + (0 if self.upgrader is None else self.upgrader.in_flight())
+
+    def _save_counts(self) -> SaveCounts:
+        return SaveCounts() if self.saver is None else self.saver.counts()
 
     # ---- save -----------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: KVCodecMetadata) -> None:
@@ -428,8 +446,8 @@ class WorkerHalf:
             self.upgrader.shutdown()
         if self.save_gather is not None:
             self.save_gather.shutdown()
-        if self.saver is not None:
-            self.saver.shutdown(self.config.shutdown_flush_s)
+        if self.saver is not None:  # queued saves get shutdown_flush_s from the engine's last computing step
+            self.saver.shutdown(self.background.window_left(self.config.shutdown_flush_s), self.background.idle_mark)
         if self.fetcher is not None:
             self.fetcher.shutdown()
         if self.prefetcher is not None:

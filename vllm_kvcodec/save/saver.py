@@ -66,6 +66,14 @@ class _Job:
     digests: TokenDigests | None
 
 
+@dataclasses.dataclass(frozen=True)
+class SaveCounts:
+    """Chunk saves that ended since the saver started: stored, or failed (encode or put)."""
+
+    landed: int = 0
+    failed: int = 0
+
+
 class Saver:
     def __init__(
         self,
@@ -91,6 +99,7 @@ class Saver:
         self._pending = 0
         self._waiting = 0  # submitted chunks no thread has started on
         self._futures: set[Future] = set()
+        self._ended = SaveCounts()
         self._last_drop_log = -DROP_LOG_INTERVAL_S
         self._drops_unlogged = 0
         self.held = held
@@ -117,6 +126,16 @@ class Saver:
         """Nothing reserved, queued or being encoded: spare CPU for work that may wait (upgrades)."""
         with self._lock:
             return self._pending == 0 and self._waiting == 0 and not self._futures
+
+    def in_flight(self) -> int:
+        """Chunk saves queued, being encoded and stored, or held for their loads' outcome (which the engine's next
+        step brings: see held_saves.py)."""
+        with self._lock:
+            return len(self._futures) + (len(self.held) if self.held is not None else 0)
+
+    def counts(self) -> SaveCounts:
+        with self._lock:
+            return self._ended
 
     def unreserve(self, nbytes: int) -> None:
         """Give back a reservation whose chunk will not be submitted."""
@@ -248,6 +267,8 @@ class Saver:
         finally:
             with self._lock:
                 self._pending -= nbytes
+                ended = self._ended
+                self._ended = SaveCounts(ended.landed + landed, ended.failed + (not landed))
             self.report(SaveOutcome(job.req_id, chunk_hash, landed))
 
     def _put_refs(self, chunk_hash: str, tokens: int, refs: Sequence[tuple[str, int]]) -> None:
@@ -283,8 +304,10 @@ class Saver:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Store what is queued within ``timeout`` seconds (the connector's ``shutdown_flush_s``), then stop.
+    def shutdown(self, timeout: float = 30.0, since: SaveCounts | None = None) -> None:
+        """Store what is queued within ``timeout`` seconds (what is left of the connector's ``shutdown_flush_s``),
+        then stop, and say what became of the saves queued since ``since``, the counts when the engine last
+        stopped computing (vLLM's drain at shutdown stores most of them before: see background_work.py).
 
         A queued save is a chunk the next engine would otherwise recompute, so
         shutdown waits for it, but not without bound: vLLM kills the engine at
@@ -292,17 +315,21 @@ class Saver:
         said so (how many), rather than lost without a word.
         """
         with self._lock:
-            queued = len(self._futures)
             unsettled = self.held.take_all() if self.held is not None else []
         if unsettled:  # their loads' outcome will never come: storing them could store KV computed over a failure
             self._release(Released([], [], unsettled))
+        queued, before = self.in_flight(), self.counts()
         t0 = time.monotonic()
         stored_all = self.flush(timeout)
-        with self._lock:
-            left = len(self._futures)
+        left = self.in_flight()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if stored_all:
-            logger.info("kvcodec: shutdown: stored the %d queued chunk save(s) in %.2f s", queued, time.monotonic() - t0)
-        else:
-            logger.warning("kvcodec: shutdown: %d of %d queued chunk save(s) not stored within %.1f s "
-                           "(shutdown_flush_s); dropped, they will be recomputed", left, queued, timeout)
+        after, since = self.counts(), since or before
+        earlier, now = before.landed - since.landed, after.landed - before.landed
+        failed = f"; {after.failed - since.failed} failed" if after.failed > since.failed else ""
+        logger.info("kvcodec: shutdown: stored the %d chunk save(s) still queued when the engine stopped computing "
+                    "(%d before shutdown, %d at shutdown in %.2f s)%s", earlier + now, earlier, now,
+                    time.monotonic() - t0, failed)
+        if not stored_all:
+            logger.warning("kvcodec: shutdown: %d of the %d chunk save(s) queued at shutdown not stored within "
+                           "%.1f s (what was left of shutdown_flush_s); dropped, they will be recomputed", left,
+                           queued, timeout)

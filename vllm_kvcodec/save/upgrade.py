@@ -59,8 +59,10 @@ REMEMBERED_KEYS = 1 << 16
 
 class Upgrader:
     def __init__(self, store: Store, chooser: CodecChooser, saver_idle: Callable[[], bool], stats: ConnectorStats,
-                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+                 max_pending_bytes: int = MAX_PENDING_BYTES, ended: Callable[[], None] = lambda: None) -> None:
+        """``ended``: called (on the upgrade thread) after each upgrade, done or not."""
         self.store, self.chooser, self.saver_idle, self.stats = store, chooser, saver_idle, stats
+        self.ended = ended
         self.max_pending = max_pending_bytes
         self._lock = threading.Lock()
         self._pending = 0
@@ -132,6 +134,12 @@ class Upgrader:
     def _forget(self, future: Future) -> None:
         with self._lock:
             self._futures.discard(future)
+        self.ended()
+
+    def in_flight(self) -> int:
+        """Upgrades queued or running."""
+        with self._lock:
+            return len(self._futures)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued upgrades (tests, benchmarks); True if all finished."""

@@ -386,15 +386,17 @@ def config(
 )
 def serve(
     ctx: typer.Context,
-    model: str = typer.Argument(..., help="Model to serve (a local folder or a hub name), as for `vllm serve`."),
+    model: str = typer.Argument(..., metavar="MODEL",
+                                help="Model to serve (a local folder or a hub name), as for `vllm serve`."),
     store: Optional[str] = typer.Option(None, help="Store URL (default: the embedded file store)."),
     codec: Optional[str] = typer.Option(None, help="Codec id or 'auto' (default: the densest for the model's dtype)."),
     connector_config: Optional[str] = typer.Option(
         None, "--connector-config", help='More kv_connector_extra_config keys, as a JSON object: \'{"chunk_size": 512}\'.'),
 ) -> None:
-    """vLLM's OpenAI-compatible server with the connector: `kvcodec serve MODEL --store URL [vllm serve arguments]`."""
+    # The help text is rich markup: a bare "[any ...]" would be read as a tag and dropped.
+    """vLLM's OpenAI-compatible server with the connector: `kvcodec serve MODEL --store URL \\[any vllm serve
+    arguments]`."""
     import json
-    import os
 
     from vllm_kvcodec.errors import ConfigError
     from vllm_kvcodec.tools import vllm_cli
@@ -408,12 +410,11 @@ def serve(
     if not isinstance(more, dict):
         fail("--connector-config must be a JSON object of kv_connector_extra_config keys")
     try:
-        plan = plan_serve(model, {**extra, **more}, ctx.args, os.environ)
+        plan = plan_serve(model, {**extra, **more}, ctx.args)
     except ConfigError as exc:
         fail(exc)
     for note in plan.notes:
         typer.echo(note, err=True)
-    os.environ.update(plan.env)  # vLLM's processes inherit it
     vllm_cli.run(plan.argv)
 
 

