@@ -14,16 +14,19 @@ weights, which is not what two instances of a fleet do.
 
 from __future__ import annotations
 
+import logging
+import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.support.engine import connector_config, engine, greedy, worker_connector
+from tests.support.engine_pool import scheduler_connector
 from tests.support.lora import make_adapter
 
 pytestmark = pytest.mark.engine
 
-LORA = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+LORA = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}  # one adapter held at a time: another evicts it
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +58,39 @@ def test_one_adapter_name_from_two_paths_never_shares_chunks(adapters, tmp_path:
         conn = worker_connector()
         assert greedy(llm, ids, lora_request=p1) == own_p1
         assert conn.stats()["loaded_tokens"] == 512  # the same name and path and weights do share
+
+
+def test_an_adapter_folder_deleted_between_two_requests_is_served_and_neither_loaded_nor_saved(tmp_path: Path,
+                                                                                               caplog) -> None:
+    """vLLM serves an adapter it holds whatever became of its folder; the scheduler half cannot read the files to key
+    its requests by: it must not raise inside vLLM's engine loop (that takes EngineCore down), and must not key
+    them by name and path alone either."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from vllm_kvcodec.tools.smollm2 import sample_token_ids
+
+    ids = sample_token_ids(750)
+    prompts = [ids[i : i + 250] for i in (0, 250, 500)]  # distinct: one chunk of 128 saved each
+    folder = make_adapter(tmp_path / "b", seed=3)
+    with engine(connector_config(f"file://{tmp_path / 'store'}", chunk_size=128), **LORA) as llm:
+        conn, scheduler = worker_connector(), scheduler_connector()
+        greedy(llm, prompts[0])  # the engine serves the base model
+        b = LoRARequest("b", 1, str(folder))
+        llm.llm_engine.add_lora(b)  # the workers load it (what vllm serve's /v1/load_lora_adapter does)
+        shutil.rmtree(folder)  # a deployment removes it before its next request
+        assert conn.flush()
+        saved = conn.stats().get("saved_chunks", 0)
+        log = logging.getLogger("vllm_kvcodec")  # following vLLM's logging, it does not propagate to pytest's
+        log.addHandler(caplog.handler)
+        try:
+            out = llm.generate([{"prompt_token_ids": p} for p in prompts[1:3]],
+                               SamplingParams(max_tokens=4, temperature=0), lora_request=b, use_tqdm=False)
+        finally:
+            log.removeHandler(caplog.handler)
+        assert all(len(o.outputs[0].token_ids) == 4 for o in out)  # served: no exception reached EngineCore
+        assert conn.flush()
+        assert conn.stats().get("loaded_tokens", 0) == 0
+        assert conn.stats().get("saved_chunks", 0) == saved, "requests keyed without their weights were saved"
+        assert scheduler.stats()["adapter_unreadable_requests"] == 2
+        assert sum("LoRA adapter 'b'" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING) == 1

@@ -137,8 +137,10 @@ COUNTERS: tuple[CounterSpec, ...] = (
            "was still in flight (asked again once it has an outcome).", "lookups_waiting_for_inflight_load"),
     CounterSpec("requests_not_cached", "Requests the store neither served nor saved, by reason: uncacheable (prompt "
                 "embeddings; once per request), before_cache_identity (an fp8 cache's scales not yet known from the "
-                "workers; once per lookup).",
-                {"uncacheable": "uncacheable_requests", "before_cache_identity": "requests_before_cache_identity"},
+                "workers; once per lookup), adapter_unreadable (a LoRA adapter whose files cannot be read; once per "
+                "request).",
+                {"uncacheable": "uncacheable_requests", "before_cache_identity": "requests_before_cache_identity",
+                 "adapter_unreadable": "adapter_unreadable_requests"},
                 label="reason"),
     _plain("blocks_evicted_after_load_failure", "vLLM blocks evicted from its local prefix cache because they held KV "
            "that failed to load, or KV computed over it.", "blocks_evicted_after_load_failure"),

@@ -58,6 +58,7 @@ from vllm_kvcodec.identity import PromptIdentity, prompt_identity
 from vllm_kvcodec.keys import Namespace, chunk_object_keys, extend_chunk_hashes, tail_hash, tail_position
 from vllm_kvcodec.connector.kv_events import StoreEvents
 from vllm_kvcodec.connector.load_ledger import LoadLedger
+from vllm_kvcodec.connector.lora_keys import AdapterKeys
 from vllm_kvcodec.connector.lookup import Answer, AsyncLookup, Question, Tail, answer_questions, tail_candidates
 from vllm_kvcodec.connector.lookup_budget import LookupBudget
 from vllm_kvcodec.connector.metadata import (ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec,
@@ -104,7 +105,7 @@ class _Tracked:
     """What the scheduler half remembers about one request."""
 
     request: "Request"
-    identity: PromptIdentity | None  # None: never cached (prompt embeddings)
+    identity: PromptIdentity | None  # None: never cached (prompt embeddings, unknown LoRA weights)
     shape: tuple[int, int] = (0, 0)  # (prompt tokens, media items) the identity and chain were made for
     hashes: list[str] = dataclasses.field(default_factory=list)  # chain over the full chunks so far
     hit_chunks: int = 0  # chunks found in the store at the last lookup
@@ -141,6 +142,7 @@ class SchedulerHalf:
         self.store = open_connector_store(config)
         self.stats = ConnectorStats()
         self.ledger = LoadLedger(inflight_ttl_s=config.load_timeout_s + INFLIGHT_SLACK_S, loaders=loaders)
+        self.adapters = AdapterKeys(self.stats)
         self.claims = SaveClaims()
         self.events = StoreEvents.off()  # the facade turns them on when vLLM publishes KV events
         self.kv_cache_manager: KVCacheManager | None = None  # bound by vLLM after construction
@@ -265,11 +267,18 @@ class SchedulerHalf:
     def _track(self, request: "Request") -> _Tracked:
         tracked = self._requests.get(request.request_id)
         if tracked is None:
-            identity = prompt_identity(request)
-            if identity is None:
+            tracked = self._requests[request.request_id] = _Tracked(request, None, _shape(request))
+            if self._identify(tracked) is not None and tracked.identity is None:
                 self.stats.add(uncacheable_requests=1)
-            tracked = self._requests[request.request_id] = _Tracked(request, identity, _shape(request))
         return tracked
+
+    def _identify(self, tracked: _Tracked) -> str | None:
+        """Key the request by its context as it is now, its LoRA adapter by its weights (lora_keys.py); returns
+        those weights ("" without an adapter; None: unknown, counted there)."""
+        lora = getattr(tracked.request, "lora_request", None)
+        weights = self.adapters.weights(lora) if lora is not None else ""
+        tracked.identity = prompt_identity(tracked.request, weights)
+        return weights
 
     def _follow_session(self, tracked: _Tracked) -> None:
         """A streaming-input session grew under the same request: key it by what it holds now.
@@ -290,8 +299,9 @@ class SchedulerHalf:
         if shape == tracked.shape:
             return
         tracked.shape = shape
-        old, new = tracked.identity, prompt_identity(tracked.request)
-        tracked.identity = new
+        old = tracked.identity
+        self._identify(tracked)
+        new = tracked.identity
         keep = 0
         if old is not None and new is not None and (old.salt, old.lora) == (new.salt, new.lora):
             added = [offset for offset, _ in set(new.media) - set(old.media)]
