@@ -69,6 +69,7 @@ class LoadSpec:
     chunks: list[ChunkLoad]
     is_async: bool
     load_id: int = 0
+    adapter: tuple[int, str] | None = None  # LoRA: (adapter id, weights its keys name), which the worker checks
 
 
 @dataclasses.dataclass
@@ -92,6 +93,7 @@ class SaveSpec:
     # its whole-block prefixes (hash, tokens), whose refs rank 0 writes (block_refs.py)
     refs: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     digests: TokenDigests | None = None  # its tokens, recorded in every object's header (token_digests.py)
+    adapter: tuple[int, str] | None = None  # LoRA: (adapter id, weights its key names), which the worker checks
 
     @property
     def slots(self) -> list[int]:
@@ -142,11 +144,16 @@ class KVCodecWorkerReport(KVConnectorWorkerMetadata):
     ``save_room``: bytes the fullest worker's save queue could take when the
     report was built (None: no saver). A snapshot, not an event, so it is
     current whatever order the outcomes before it arrived in.
+
+    ``adapters``: the LoRA adapters the workers loaded, by id, with the
+    fingerprint of the files each was read from (see lora_loads.py); "" where
+    it is unknown, or where workers read different files.
     """
 
     loads: dict[str, LoadOutcome] = dataclasses.field(default_factory=dict)
     saves: list[SaveOutcome] = dataclasses.field(default_factory=list)
     save_room: int | None = None
+    adapters: dict[int, str] = dataclasses.field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVCodecWorkerReport":
         assert isinstance(other, KVCodecWorkerReport)
@@ -154,7 +161,10 @@ class KVCodecWorkerReport(KVConnectorWorkerMetadata):
         for req_id, outcome in other.loads.items():
             loads[req_id] = loads[req_id].merge(outcome) if req_id in loads else outcome
         rooms = [r for r in (self.save_room, other.save_room) if r is not None]
-        return KVCodecWorkerReport(loads, self.saves + other.saves, min(rooms) if rooms else None)
+        adapters = dict(self.adapters)
+        for lora_id, weights in other.adapters.items():
+            adapters[lora_id] = weights if adapters.get(lora_id, weights) == weights else ""
+        return KVCodecWorkerReport(loads, self.saves + other.saves, min(rooms) if rooms else None, adapters)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves)
+        return bool(self.loads or self.saves or self.adapters)

@@ -104,6 +104,9 @@ COUNTERS: tuple[CounterSpec, ...] = (
     _plain("failed_load_chunks", "Chunks whose load failed, as the scheduler learnt (not offered again until saved anew).",
            "failed_load_chunks"),
     _plain("loads_abandoned", "Loads stopped because their request ended first.", "loads_abandoned"),
+    _plain("loads_refused_adapter_weights", "Loads refused unread (their blocks are recomputed) because the LoRA "
+           "adapter weights the worker runs were not read from the files the chunks' keys name (rewritten in place, "
+           "or not loaded yet).", "loads_refused_adapter_weights"),
     _plain("lookup_failures", "Lookups the store could not answer (counted as misses).", "lookup_failures"),
     _plain("lookups_store_down", "Of lookup_failures, those answered at no cost as misses because the store was known "
            "down.", "lookups_store_down"),
@@ -137,8 +140,8 @@ COUNTERS: tuple[CounterSpec, ...] = (
            "was still in flight (asked again once it has an outcome).", "lookups_waiting_for_inflight_load"),
     CounterSpec("requests_not_cached", "Requests the store neither served nor saved, by reason: uncacheable (prompt "
                 "embeddings; once per request), before_cache_identity (an fp8 cache's scales not yet known from the "
-                "workers; once per lookup), adapter_unreadable (a LoRA adapter whose files cannot be read; once per "
-                "request).",
+                "workers; once per lookup), adapter_unreadable (a LoRA adapter no worker reported loading, whose "
+                "files cannot be read, or one whose files changed while a worker loaded it; once per request).",
                 {"uncacheable": "uncacheable_requests", "before_cache_identity": "requests_before_cache_identity",
                  "adapter_unreadable": "adapter_unreadable_requests"},
                 label="reason"),
@@ -146,12 +149,14 @@ COUNTERS: tuple[CounterSpec, ...] = (
            "that failed to load, or KV computed over it.", "blocks_evicted_after_load_failure"),
     _plain("save_failures", "Saves whose encode or put failed.", "save_failures"),
     CounterSpec("saves_dropped", "Chunk saves not done, by reason: queue_full, store_down, after_load_failure, "
-                "incomplete and window_freed are lost (a later miss); deferred_store_down waits for the store, "
+                "incomplete, window_freed and adapter_weights (the LoRA weights the worker runs were not read from "
+                "the files the key names) are lost (a later miss); deferred_store_down waits for the store, "
                 "deduplicated is being saved by another request.",
                 {"queue_full": "saves_dropped", "store_down": "saves_dropped_store_down",
                  "window_freed": "saves_dropped_window_freed",
                  "deferred_store_down": "saves_deferred_store_down",
                  "after_load_failure": "saves_skipped_after_load_failure",
+                 "adapter_weights": "saves_skipped_adapter_weights",
                  "incomplete": "saves_incomplete", "deduplicated": "saves_deduplicated"},
                 label="reason"),
     CounterSpec("store_down", "Times the store went down (up -> down transitions), by the side that saw it.",

@@ -125,6 +125,8 @@ class _Tracked:
     waiting_on: set[str] = dataclasses.field(default_factory=set)  # chunks it left to another request's save
     prefetching: bool = False  # the worker was asked to fetch its hit ahead (see prefetch.py)
     loads: set[int] = dataclasses.field(default_factory=set)  # its loads not reported yet (ledger ids), not others'
+    adapter: tuple[int, str] | None = None  # LoRA: (adapter id, weights its keys name), see lora_keys.py
+    adapter_reloaded: bool = False  # the workers reloaded its adapter from other files while it ran: never cached
 
 
 class SchedulerHalf:
@@ -273,11 +275,12 @@ class SchedulerHalf:
         return tracked
 
     def _identify(self, tracked: _Tracked) -> str | None:
-        """Key the request by its context as it is now, its LoRA adapter by its weights (lora_keys.py); returns
-        those weights ("" without an adapter; None: unknown, counted there)."""
+        """Key the request by its context as it is now, its LoRA adapter by the weights the workers loaded
+        (lora_keys.py); returns those weights ("" without an adapter; None: unknown, counted there)."""
         lora = getattr(tracked.request, "lora_request", None)
         weights = self.adapters.weights(lora) if lora is not None else ""
-        tracked.identity = prompt_identity(tracked.request, weights)
+        tracked.identity = None if tracked.adapter_reloaded else prompt_identity(tracked.request, weights)
+        tracked.adapter = (lora.lora_int_id, weights) if lora is not None and weights else None
         return weights
 
     def _follow_session(self, tracked: _Tracked) -> None:
@@ -421,7 +424,7 @@ class SchedulerHalf:
         load_id = self.ledger.start(request.request_id, busy, first_tokens, tracked.block_ids, writes)
         tracked.loads.add(load_id)
         self._pending_loads.append(LoadSpec(request.request_id, chunks, is_async=self.config.load_mode == "async",
-                                            load_id=load_id))
+                                            load_id=load_id, adapter=tracked.adapter))
         self.events.loading(load_id, request, chunks, tracked.hashes, tracked.tail, self.chunk)
 
     def _chunk_loads(self, tracked: _Tracked, start: int, end: int) -> dict[int, ChunkLoad]:
@@ -577,7 +580,7 @@ class SchedulerHalf:
         slots = [slots_for_tokens(table, bs, first, first + tokens).tolist() for table, bs in zip(tracked.block_ids, self.block_sizes)]
         self.events.saving(tracked.request, chunk_hash, first, tokens)
         return SaveSpec(tracked.request.request_id, chunk_hash, slots, sorted(tracked.loads), refs,
-                        self._digests(tracked, first // self.chunk, tokens))
+                        self._digests(tracked, first // self.chunk, tokens), tracked.adapter)
 
     def _refs(self, tracked: _Tracked, index: int, tokens: int) -> list[tuple[str, int]]:
         """The whole-block prefixes of an object of ``tokens`` tokens at chunk ``index`` (block_hits; see
@@ -638,12 +641,23 @@ class SchedulerHalf:
         report = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(report, KVCodecWorkerReport):
             return
+        if report.adapters:
+            self._adapters_loaded(report.adapters)
         for req_id, outcome in report.loads.items():
             self._load_settled(req_id, outcome)
         for save in report.saves:
             self._save_settled(save)
         if report.save_room is not None:
             self._room_freed(report.save_room)
+
+    def _adapters_loaded(self, loads: dict[int, str]) -> None:
+        """The workers (re)loaded these LoRA adapters: later requests are keyed by the files they read. A request
+        keyed by other weights is cached no further, a streaming session's later turns included: its KV so far
+        may come from either (the workers would refuse its loads and saves anyway)."""
+        self.adapters.adopt(loads)
+        for tracked in self._requests.values():
+            if tracked.adapter is not None and loads.get(tracked.adapter[0], tracked.adapter[1]) != tracked.adapter[1]:
+                tracked.identity, tracked.adapter, tracked.adapter_reloaded = None, None, True
 
     def _load_settled(self, req_id: str, outcome: LoadOutcome) -> None:
         """Settle the load the outcome names (``load_id``) once every worker that runs it reported (a rank that
