@@ -17,9 +17,11 @@ Equal token ids do not mean equal KV. The KV also depends on
   docs/reliability.md lists what is and is not keyed, and why); the compute
   dtype, where the cache does not hold it (connector/cache_identity.py);
 - the request: vLLM's ``cache_salt`` (tenants that must not share), the LoRA
-  adapter by name, path and weights (:func:`lora_identity`: one name may
-  point at other weights on another instance, or after a reload), and
-  multimodal inputs whose placeholder tokens are equal for any image
+  adapter by name, path and the files its loaded weights were read from
+  (:func:`lora_identity`: one name may point at other weights on another
+  instance, or after a reload; which files the engine loaded is the
+  connector's to track, see ``connector/lora_keys.py``), and multimodal
+  inputs whose placeholder tokens are equal for any image
   (:func:`prompt_identity`). Prompts given as embeddings have no token ids to
   key on and are never cached.
 """
@@ -73,34 +75,54 @@ class PromptIdentity:
 PLAIN = PromptIdentity()
 
 
-def prompt_identity(request: "Request") -> PromptIdentity | None:
-    """The request's context, or None when its KV must not be stored or loaded (prompt embeddings)."""
+def prompt_identity(request: "Request", adapter_weights: str | None = None) -> PromptIdentity | None:
+    """The request's context, or None when its KV must not be stored or loaded (prompt embeddings, or a LoRA
+    adapter whose ``adapter_weights``, the fingerprint of the files its loaded weights came from, are unknown)."""
     if getattr(request, "prompt_embeds", None) is not None:
+        return None
+    lora = getattr(request, "lora_request", None)
+    if lora is not None and not adapter_weights:
         return None
     media = tuple(
         sorted((int(f.mm_position.offset), str(f.identifier)) for f in getattr(request, "mm_features", None) or [])
     )
     return PromptIdentity(salt=getattr(request, "cache_salt", None) or "",
-                          lora=lora_identity(getattr(request, "lora_request", None)), media=media)
+                          lora=lora_identity(lora, adapter_weights) if lora is not None else "", media=media)
 
 
-def lora_identity(lora: Any) -> str:
-    """A LoRA adapter as the KV it gives: its name, its path and, for a local folder, a fingerprint of its files.
+def lora_identity(lora: Any, weights: str) -> str:
+    """A LoRA adapter as the KV it gives: its name, its path and ``weights``, the fingerprint of its files.
 
     vLLM keys its own cache by name and path, so that re-pointing a name at
     another adapter does not reuse KV computed with the previous one. A
     shared store also meets instances that load the same name and path with
     other weights (another version deployed at the same place, an adapter
-    reloaded in place), hence the fingerprint, recomputed whenever a file's
-    size or modification time changes.
+    rewritten in place), hence the fingerprint: of the files the engine's
+    weights were read from, which need not be the files there now.
     """
-    if lora is None:
-        return ""
-    path = str(getattr(lora, "lora_path", "") or "")
-    parts = {"name": lora.lora_name, "path": path}
-    if path and Path(path).exists():
-        parts["weights"] = weights_fingerprint(str(Path(path).resolve()))
-    return json.dumps(parts, sort_keys=True)
+    return json.dumps({"name": lora.lora_name, "path": str(lora.lora_path), "weights": weights}, sort_keys=True)
+
+
+def adapter_files(lora_path: str) -> str | None:
+    """:func:`weights_fingerprint` of a local LoRA adapter folder, or None when there is none to read.
+
+    None for a path that is not a local folder holding weight files (a hub
+    name, which vLLM downloads elsewhere; a folder deleted or emptied) and for
+    files that cannot be read. Never raises: this runs inside vLLM's scheduler
+    and workers, where an adapter rewritten or removed while it is read must
+    cost its requests their caching, not the engine.
+    """
+    try:
+        folder = Path(lora_path).expanduser()  # a relative path, as vLLM takes one: from the working directory
+        if not folder.exists():
+            return None
+        root = folder.resolve()
+        listing = _listing(root)
+        if not any(Path(name).suffix in WEIGHT_SUFFIXES for name, _, _ in listing):
+            return None
+        return _fingerprint(str(root), listing)
+    except Exception:  # noqa: BLE001 - OSError for a file gone mid-read, RuntimeError for a symlink loop; none may
+        return None  # reach vLLM's engine loop
 
 
 def model_identity(model: str, revision: str | None, quantization: str | None, download_dir: str | None = None) -> str:
@@ -159,11 +181,15 @@ def weights_fingerprint(path: str) -> str:
     bytes differ nearly everywhere. Remembered per path while no file's size
     or modification time changes (a folder rewritten in place is read again).
     """
-    root = Path(path)
+    return _fingerprint(path, _listing(Path(path)))
+
+
+def _listing(root: Path) -> tuple[tuple[str, int, int], ...]:
+    """(name, size, modification time) of every file the fingerprint reads: what decides whether to read again."""
     files = sorted(p for p in ([root] if root.is_file() else root.rglob("*")) if p.is_file() and _relevant(p))
     names = [str(p.relative_to(root)) if root.is_dir() else p.name for p in files]
     stats = [p.stat() for p in files]
-    return _fingerprint(path, tuple((n, st.st_size, st.st_mtime_ns) for n, st in zip(names, stats)))
+    return tuple((n, st.st_size, st.st_mtime_ns) for n, st in zip(names, stats))
 
 
 @functools.lru_cache(maxsize=256)

@@ -324,36 +324,38 @@ def _adapter(folder: Path, fill: int) -> Path:
 
 def test_lora_adapters_of_one_name_from_two_paths_never_share(tmp_path: Path) -> None:
     """vLLM keys its own cache by adapter name and path; a shared store also meets one name and path holding other
-    weights (another version deployed there, an adapter reloaded in place): keyed by its files too."""
+    weights (another version deployed there, an adapter rewritten in place): keyed by its files too."""
     from vllm.lora.request import LoRARequest
 
-    from vllm_kvcodec.identity import lora_identity
+    from vllm_kvcodec.identity import adapter_files, lora_identity
 
     p1, p2 = _adapter(tmp_path / "v1", 1), _adapter(tmp_path / "v2", 1)
     a1, a2 = LoRARequest("a", 1, str(p1)), LoRARequest("a", 1, str(p2))
-    keys = {name: chunk_hashes(BASE, TOKENS, 4, PromptIdentity(lora=lora_identity(r)))
+    keys = {name: chunk_hashes(BASE, TOKENS, 4, PromptIdentity(lora=lora_identity(r, adapter_files(r.lora_path))))
             for name, r in {"p1": a1, "p2": a2, "p1 again": LoRARequest("a", 7, str(p1))}.items()}
     assert set(keys["p1"]).isdisjoint(keys["p2"])  # same name, same weights, other path: vLLM's rule
     assert keys["p1 again"] == keys["p1"]  # the int id is vLLM's handle, not the adapter
     assert set(keys["p1"]).isdisjoint(chunk_hashes(BASE, TOKENS, 4))  # never the base model's
-    before = lora_identity(a1)
+    before = adapter_files(str(p1))
     _adapter(p1, 2)  # new weights written over the same path
-    assert lora_identity(a1) != before
-    assert lora_identity(LoRARequest("a", 1, str(tmp_path / "not-here"))) != lora_identity(LoRARequest("a", 1, "elsewhere"))
+    assert adapter_files(str(p1)) != before
+    assert adapter_files(str(tmp_path / "not-here")) is None  # nothing to key by: not cached (lora_keys.py)
 
 
 def test_a_vllm_request_with_a_lora_adapter_is_keyed_by_its_path(tmp_path: Path) -> None:
-    """prompt_identity reads vLLM's own Request: two adapters named alike are two identities."""
+    """prompt_identity reads vLLM's own Request: two adapters named alike are two identities; an adapter whose weights
+    are unknown is no identity at all (never cached)."""
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
     from vllm.v1.request import Request
 
-    from vllm_kvcodec.identity import prompt_identity
+    from vllm_kvcodec.identity import adapter_files, prompt_identity
 
     def request(lora: LoRARequest | None) -> Request:
         return Request("r", TOKENS, SamplingParams(max_tokens=1), None, 0, lora_request=lora)
 
-    one = prompt_identity(request(LoRARequest("a", 1, str(_adapter(tmp_path / "one", 1)))))
-    two = prompt_identity(request(LoRARequest("a", 1, str(_adapter(tmp_path / "two", 1)))))
-    assert one is not None and two is not None and one.seed() != two.seed()
+    one, two = (LoRARequest("a", 1, str(_adapter(tmp_path / name, 1))) for name in ("one", "two"))
+    keyed = [prompt_identity(request(r), adapter_files(r.lora_path)) for r in (one, two)]
+    assert keyed[0] is not None and keyed[1] is not None and keyed[0].seed() != keyed[1].seed()
+    assert prompt_identity(request(one)) is None and prompt_identity(request(one), "") is None
     assert prompt_identity(request(None)) == PLAIN

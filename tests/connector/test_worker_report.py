@@ -26,6 +26,15 @@ def test_room_of_a_rank_without_a_saver_is_not_a_limit() -> None:
     assert not KVCodecWorkerReport(save_room=300)  # room alone is no reason to send a report
 
 
+def test_ranks_that_read_an_adapters_files_apart_report_its_weights_unknown() -> None:
+    """Each rank loads a LoRA adapter on its own; one that read other files (a rewrite between their reads) runs
+    other weights than the others, so the adapter's id is reported as unknown, and its requests are not cached."""
+    rank0 = KVCodecWorkerReport(adapters={1: "w1", 2: "w2"})
+    rank1 = KVCodecWorkerReport(adapters={1: "w1", 2: "w2-rewritten", 3: "w3"})
+    assert rank0.aggregate(rank1).adapters == {1: "w1", 2: "", 3: "w3"}
+    assert rank0  # a load alone is reason to send a report: the scheduler keys the adapter's requests by it
+
+
 def test_a_load_settles_once_every_worker_reported_whatever_the_steps() -> None:
     """TP=2 x PP=2: four workers run each load; two report in one step (merged by vLLM), the others later."""
     ledger = LoadLedger(inflight_ttl_s=60, loaders=4)

@@ -69,6 +69,7 @@ class LoadSpec:
     chunks: list[ChunkLoad]
     is_async: bool
     load_id: int = 0
+    adapter: tuple[int, str] | None = None  # LoRA: (adapter id, weights its keys name), which the worker checks
 
 
 @dataclasses.dataclass
@@ -95,6 +96,7 @@ class SaveSpec:
     # its whole-block prefixes (hash, tokens), whose refs rank 0 writes (block_refs.py)
     refs: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     digests: TokenDigests | None = None  # its tokens, recorded in every object's header (token_digests.py)
+    adapter: tuple[int, str] | None = None  # LoRA: (adapter id, weights its key names), which the worker checks
 
     @property
     def slots(self) -> list[int]:
@@ -153,12 +155,17 @@ class KVCodecWorkerReport(KVConnectorWorkerMetadata):
     (each tells in every step while it has any, and once when it has none
     left; None: nobody told, so none is in flight): what vLLM keeps an idle
     engine stepping for (see background_work.py).
+
+    ``adapters``: the LoRA adapters the workers loaded, by id, with the
+    fingerprint of the files each was read from (see lora_loads.py); "" where
+    it is unknown, or where workers read different files.
     """
 
     loads: dict[str, LoadOutcome] = dataclasses.field(default_factory=dict)
     saves: list[SaveOutcome] = dataclasses.field(default_factory=list)
     save_room: int | None = None
     background: int | None = None
+    adapters: dict[int, str] = dataclasses.field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVCodecWorkerReport":
         assert isinstance(other, KVCodecWorkerReport)
@@ -167,8 +174,11 @@ class KVCodecWorkerReport(KVConnectorWorkerMetadata):
             loads[req_id] = loads[req_id].merge(outcome) if req_id in loads else outcome
         rooms = [r for r in (self.save_room, other.save_room) if r is not None]
         told = [b for b in (self.background, other.background) if b is not None]
+        adapters = dict(self.adapters)
+        for lora_id, weights in other.adapters.items():
+            adapters[lora_id] = weights if adapters.get(lora_id, weights) == weights else ""
         return KVCodecWorkerReport(loads, self.saves + other.saves, min(rooms) if rooms else None,
-                                   sum(told) if told else None)
+                                   sum(told) if told else None, adapters)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves) or self.background is not None
+        return bool(self.loads or self.saves or self.adapters) or self.background is not None

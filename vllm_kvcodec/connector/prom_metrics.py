@@ -106,6 +106,9 @@ COUNTERS: tuple[CounterSpec, ...] = (
     _plain("failed_load_chunks", "Chunks whose load failed, as the scheduler learnt (not offered again until saved anew).",
            "failed_load_chunks"),
     _plain("loads_abandoned", "Loads stopped because their request ended first.", "loads_abandoned"),
+    _plain("loads_refused_adapter_weights", "Loads refused unread (their blocks are recomputed) because the LoRA "
+           "adapter weights the worker runs were not read from the files the chunks' keys name (rewritten in place, "
+           "or not loaded yet).", "loads_refused_adapter_weights"),
     _plain("lookup_failures", "Lookups the store could not answer (counted as misses).", "lookup_failures"),
     _plain("lookups_store_down", "Of lookup_failures, those answered at no cost as misses because the store was known "
            "down.", "lookups_store_down"),
@@ -139,8 +142,10 @@ COUNTERS: tuple[CounterSpec, ...] = (
            "was still in flight (asked again once it has an outcome).", "lookups_waiting_for_inflight_load"),
     CounterSpec("requests_not_cached", "Requests the store neither served nor saved, by reason: uncacheable (prompt "
                 "embeddings; once per request), before_cache_identity (an fp8 cache's scales not yet known from the "
-                "workers; once per lookup).",
-                {"uncacheable": "uncacheable_requests", "before_cache_identity": "requests_before_cache_identity"},
+                "workers; once per lookup), adapter_unreadable (a LoRA adapter no worker reported loading, whose "
+                "files cannot be read, or one whose files changed while a worker loaded it; once per request).",
+                {"uncacheable": "uncacheable_requests", "before_cache_identity": "requests_before_cache_identity",
+                 "adapter_unreadable": "adapter_unreadable_requests"},
                 label="reason"),
     _plain("blocks_evicted_after_load_failure", "vLLM blocks evicted from its local prefix cache because they held KV "
            "that failed to load, or KV computed over it.", "blocks_evicted_after_load_failure"),
@@ -148,7 +153,8 @@ COUNTERS: tuple[CounterSpec, ...] = (
     _plain("saves_held_for_load_outcome", "Saves computed after a load, held unwritten until every worker's outcome "
            "of that load was known (tensor or pipeline parallelism).", "saves_held_for_load_outcome"),
     CounterSpec("saves_dropped", "Chunk saves not done, by reason: queue_full, store_down, after_load_failure, "
-                "after_load_failure_elsewhere, load_unsettled, incomplete and window_freed are lost (a later miss); "
+                "after_load_failure_elsewhere, load_unsettled, incomplete, window_freed and adapter_weights (the LoRA "
+                "weights the worker runs were not read from the files the key names) are lost (a later miss); "
                 "deferred_store_down waits for the store, deduplicated is being saved by another request.",
                 {"queue_full": "saves_dropped", "store_down": "saves_dropped_store_down",
                  "window_freed": "saves_dropped_window_freed",
@@ -156,6 +162,7 @@ COUNTERS: tuple[CounterSpec, ...] = (
                  "after_load_failure": "saves_skipped_after_load_failure",
                  "after_load_failure_elsewhere": "saves_dropped_after_load_failure_elsewhere",
                  "load_unsettled": "saves_dropped_load_unsettled",
+                 "adapter_weights": "saves_skipped_adapter_weights",
                  "incomplete": "saves_incomplete", "deduplicated": "saves_deduplicated"},
                 label="reason"),
     CounterSpec("store_down", "Times the store went down (up -> down transitions), by the side that saw it.",

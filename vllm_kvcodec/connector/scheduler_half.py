@@ -59,6 +59,7 @@ from vllm_kvcodec.identity import PromptIdentity, prompt_identity
 from vllm_kvcodec.keys import Namespace, chunk_object_keys, extend_chunk_hashes, tail_hash, tail_position
 from vllm_kvcodec.connector.kv_events import StoreEvents
 from vllm_kvcodec.connector.load_ledger import LoadLedger, RestingSave
+from vllm_kvcodec.connector.lora_keys import AdapterKeys
 from vllm_kvcodec.connector.lookup import Answer, AsyncLookup, Question, Tail, answer_questions, tail_candidates
 from vllm_kvcodec.connector.lookup_budget import LookupBudget
 from vllm_kvcodec.connector.metadata import (ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec,
@@ -105,7 +106,7 @@ class _Tracked:
     """What the scheduler half remembers about one request."""
 
     request: "Request"
-    identity: PromptIdentity | None  # None: never cached (prompt embeddings)
+    identity: PromptIdentity | None  # None: never cached (prompt embeddings, unknown LoRA weights)
     shape: tuple[int, int] = (0, 0)  # (prompt tokens, media items) the identity and chain were made for
     hashes: list[str] = dataclasses.field(default_factory=list)  # chain over the full chunks so far
     hit_chunks: int = 0  # chunks found in the store at the last lookup
@@ -125,6 +126,8 @@ class _Tracked:
     waiting_on: set[str] = dataclasses.field(default_factory=set)  # chunks it left to another request's save
     prefetching: bool = False  # the worker was asked to fetch its hit ahead (see prefetch.py)
     loads: set[int] = dataclasses.field(default_factory=set)  # its loads not reported yet (ledger ids), not others'
+    adapter: tuple[int, str] | None = None  # LoRA: (adapter id, weights its keys name), see lora_keys.py
+    adapter_reloaded: bool = False  # the workers reloaded its adapter from other files while it ran: never cached
 
 
 class SchedulerHalf:
@@ -142,6 +145,7 @@ class SchedulerHalf:
         self.store = open_connector_store(config)
         self.stats = ConnectorStats()
         self.ledger = LoadLedger(inflight_ttl_s=config.load_timeout_s + INFLIGHT_SLACK_S, loaders=loaders)
+        self.adapters = AdapterKeys(self.stats)
         self.claims = SaveClaims()
         self.events = StoreEvents.off()  # the facade turns them on when vLLM publishes KV events
         self.keep_stepping = KeepStepping(config.shutdown_flush_s)  # for the workers' saves and upgrades in flight
@@ -268,11 +272,19 @@ class SchedulerHalf:
     def _track(self, request: "Request") -> _Tracked:
         tracked = self._requests.get(request.request_id)
         if tracked is None:
-            identity = prompt_identity(request)
-            if identity is None:
+            tracked = self._requests[request.request_id] = _Tracked(request, None, _shape(request))
+            if self._identify(tracked) is not None and tracked.identity is None:
                 self.stats.add(uncacheable_requests=1)
-            tracked = self._requests[request.request_id] = _Tracked(request, identity, _shape(request))
         return tracked
+
+    def _identify(self, tracked: _Tracked) -> str | None:
+        """Key the request by its context as it is now, its LoRA adapter by the weights the workers loaded
+        (lora_keys.py); returns those weights ("" without an adapter; None: unknown, counted there)."""
+        lora = getattr(tracked.request, "lora_request", None)
+        weights = self.adapters.weights(lora) if lora is not None else ""
+        tracked.identity = None if tracked.adapter_reloaded else prompt_identity(tracked.request, weights)
+        tracked.adapter = (lora.lora_int_id, weights) if lora is not None and weights else None
+        return weights
 
     def _follow_session(self, tracked: _Tracked) -> None:
         """A streaming-input session grew under the same request: key it by what it holds now.
@@ -293,8 +305,9 @@ class SchedulerHalf:
         if shape == tracked.shape:
             return
         tracked.shape = shape
-        old, new = tracked.identity, prompt_identity(tracked.request)
-        tracked.identity = new
+        old = tracked.identity
+        self._identify(tracked)
+        new = tracked.identity
         keep = 0
         if old is not None and new is not None and (old.salt, old.lora) == (new.salt, new.lora):
             added = [offset for offset, _ in set(new.media) - set(old.media)]
@@ -414,7 +427,7 @@ class SchedulerHalf:
         load_id = self.ledger.start(request.request_id, busy, first_tokens, tracked.block_ids, writes)
         tracked.loads.add(load_id)
         self._pending_loads.append(LoadSpec(request.request_id, chunks, is_async=self.config.load_mode == "async",
-                                            load_id=load_id))
+                                            load_id=load_id, adapter=tracked.adapter))
         self.events.loading(load_id, request, chunks, tracked.hashes, tracked.tail, self.chunk)
 
     def _chunk_loads(self, tracked: _Tracked, start: int, end: int) -> dict[int, ChunkLoad]:
@@ -572,7 +585,7 @@ class SchedulerHalf:
         self.events.saving(tracked.request, chunk_hash, first, tokens)
         self.ledger.rest(tracked.loads, tracked.request.request_id, chunk_hash)  # dropped if one of them fails
         return SaveSpec(tracked.request.request_id, chunk_hash, slots, sorted(tracked.loads), refs,
-                        self._digests(tracked, first // self.chunk, tokens))
+                        self._digests(tracked, first // self.chunk, tokens), tracked.adapter)
 
     def _refs(self, tracked: _Tracked, index: int, tokens: int) -> list[tuple[str, int]]:
         """The whole-block prefixes of an object of ``tokens`` tokens at chunk ``index`` (block_hits; see
@@ -633,6 +646,8 @@ class SchedulerHalf:
         report = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(report, KVCodecWorkerReport):
             return
+        if report.adapters:
+            self._adapters_loaded(report.adapters)
         for req_id, outcome in report.loads.items():
             self._load_settled(req_id, outcome)
         for save in report.saves:
@@ -641,6 +656,15 @@ class SchedulerHalf:
         if report.save_room is not None:
             self._room_freed(report.save_room)
         self.keep_stepping.reported(report.background)
+
+    def _adapters_loaded(self, loads: dict[int, str]) -> None:
+        """The workers (re)loaded these LoRA adapters: later requests are keyed by the files they read. A request
+        keyed by other weights is cached no further, a streaming session's later turns included: its KV so far
+        may come from either (the workers would refuse its loads and saves anyway)."""
+        self.adapters.adopt(loads)
+        for tracked in self._requests.values():
+            if tracked.adapter is not None and loads.get(tracked.adapter[0], tracked.adapter[1]) != tracked.adapter[1]:
+                tracked.identity, tracked.adapter, tracked.adapter_reloaded = None, None, True
 
     def _load_settled(self, req_id: str, outcome: LoadOutcome) -> None:
         """Settle the load the outcome names (``load_id``) once every worker that runs it reported (a rank that

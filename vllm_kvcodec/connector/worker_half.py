@@ -40,6 +40,7 @@ from vllm_kvcodec.connector.prefetch import Prefetcher
 from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.keys import Namespace, ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
+from vllm_kvcodec.connector.lora_loads import LoadedAdapters, watch_adapter_loads
 from vllm_kvcodec.malloc_tuning import reuse_large_buffers
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, SaveOutcome, SaveSpec
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, layouts_for, shared_kv_layers
@@ -106,6 +107,12 @@ class WorkerHalf:
         self.save_gather: SaveGather | None = None
         self.upgrader: Upgrader | None = None
         self.background = BackgroundTally(self._background_in_flight, self._save_counts)
+        # LoRA: which files the adapters this worker runs were read from (lora_loads.py), checked before every
+        # load and save of a LoRA request.
+        self.adapters: LoadedAdapters | None = None
+        if getattr(vllm_config, "lora_config", None) is not None and watch_adapter_loads():
+            self.adapters = LoadedAdapters(vllm_config.lora_config)
+        self._adapters_warned: set[int] = set()
         reuse_large_buffers()
         warm_up(DType.parse(namespace.dtype).torch_dtype)  # compile codec kernels now, not in the first load
 
@@ -244,12 +251,15 @@ class WorkerHalf:
             chunks = [c.chunk_hash for spec in meta.loads for c in spec.chunks]
             self.prefetcher.claim([self.addresses.key(h, g) for h in chunks for g in range(len(self.groups))])
         self._load_ids.update((spec.req_id, spec.load_id) for spec in meta.loads)
+        refused = {spec.req_id for spec in meta.loads if not self._runs_adapter(spec.adapter)}
+        if refused:
+            self.stats.add(loads_refused_adapter_weights=len(refused))
         sync = [s for s in meta.loads if not s.is_async]
         if sync:
-            self._sync_job = self.fetcher.submit(sync, timeout)
+            self._sync_job = self.fetcher.submit(sync, timeout, refused)
         for spec in meta.loads:
             if spec.is_async:
-                self._async_jobs[spec.req_id] = self.fetcher.submit([spec], timeout)
+                self._async_jobs[spec.req_id] = self.fetcher.submit([spec], timeout, refused)
         if self.prefetcher is not None:
             for req_id in meta.prefetch_done:  # after the loads claimed theirs
                 self.prefetcher.give_up(req_id)
@@ -386,14 +396,16 @@ class WorkerHalf:
         return errors
 
     def build_connector_worker_meta(self) -> KVCodecWorkerReport | None:
-        """What became of loads and saves since the last step (None when nothing did)."""
+        """What became of loads and saves since the last step, and the LoRA adapters loaded (None when nothing)."""
         with self._outcome_lock:
             saves, self._save_outcomes = self._save_outcomes, []
         loads, self._load_outcomes = self._load_outcomes, {}
         background = self.background.report()
-        if not loads and not saves and background is None:
+        adapters = self.adapters.new_loads() if self.adapters is not None else {}
+        if not loads and not saves and background is None and not adapters:
             return None
-        return KVCodecWorkerReport(loads, saves, None if self.saver is None else self.saver.room(), background)
+        return KVCodecWorkerReport(loads, saves, None if self.saver is None else self.saver.room(), background,
+                                   adapters)
 
     def _save_settled(self, outcome: SaveOutcome) -> None:
         with self._outcome_lock:
@@ -425,12 +437,34 @@ class WorkerHalf:
             return  # nothing planned, or this rank writes nothing (the scheduler plans for every rank at once)
         if meta.finishing:
             self.save_gather.gather_unseen(meta.saves)  # a step without a forward has called no save_kv_layer
-        for spec, reason in self.save_gather.end_step(meta.saves, self._computed_over_good_kv):
+        for spec, reason in self.save_gather.end_step(meta.saves, self._good_to_save):
             if reason == "incomplete":
                 self.stats.add(saves_incomplete=1)
             needs = self.save_gather.chunk_nbytes(len(spec.group_slots[0])) if reason == "no room" else 0
             self._save_settled(SaveOutcome(spec.req_id, spec.chunk_hash, landed=False, needs_room=needs,
                                            load_failed=reason == "load failed"))  # planned again
+
+    def _good_to_save(self, spec: SaveSpec) -> bool:
+        """Whether a gathered chunk's KV is what its key names: its adapter's weights, over loads that did not fail."""
+        if not self._runs_adapter(spec.adapter):
+            self.stats.add(saves_skipped_adapter_weights=1)
+            return False
+        return self._computed_over_good_kv(spec)
+
+    def _runs_adapter(self, adapter: tuple[int, str] | None) -> bool:
+        """Whether the KV of a plan's keys is this worker's: no LoRA adapter, or the weights registered for its id
+        now were read from the files its keys name (not so after a rewrite in place, or a reload of new files)."""
+        if adapter is None:
+            return True
+        running = self.adapters.running(adapter[0]) if self.adapters is not None else ""
+        if running == adapter[1]:
+            return True
+        if running is not None and adapter[0] not in self._adapters_warned:  # None: not loaded yet, or evicted
+            self._adapters_warned.add(adapter[0])
+            logger.warning("kvcodec: LoRA adapter id %d: the weights this worker runs were not read from the files "
+                           "its requests are keyed by (rewritten in place, or while it loaded them); their loads and "
+                           "saves are refused until the scheduler keys them by what was loaded", adapter[0])
+        return False
 
     def _computed_over_good_kv(self, spec: SaveSpec) -> bool:
         """False when a load of the request failed here that the scheduler had not heard of when it planned the

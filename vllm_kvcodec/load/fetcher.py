@@ -39,7 +39,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
@@ -216,7 +216,8 @@ class Fetcher:
             self.cpu_threads = decode_threads
             self._decode_pool = started_pool(decode_threads, "kvcodec-decode", _warm_thread)
 
-    def submit(self, specs: list[LoadSpec], timeout_s: float) -> LoadJob:
+    def submit(self, specs: list[LoadSpec], timeout_s: float, refused: Collection[str] = ()) -> LoadJob:
+        """Start loading ``specs``; the objects of ``refused`` requests fail unread (their blocks are recomputed)."""
         chunks = [(spec, chunk) for spec in specs for chunk in spec.chunks]
         job = self.placement.new_job([list(g) for g in self.groups], len(chunks), [s.req_id for s in specs])
         job.deadline = time.monotonic() + timeout_s
@@ -224,9 +225,13 @@ class Fetcher:
         for g in range(len(self.groups)):
             for i, (spec, chunk) in enumerate(chunks):
                 job.expect(g, i, spec.req_id, chunk.chunk_hash, chunk.block_ids)
-        self.placement.order_after_reads([chunk for _, chunk in chunks])
+        read = [(i, chunk) for i, (spec, chunk) in enumerate(chunks) if spec.req_id not in refused]
+        self.placement.order_after_reads([chunk for _, chunk in read])
         for g in range(len(self.groups)):  # layer-group order: the first layers' KV arrives first
-            for batch in self._batches(g, [(i, chunk) for i, (_, chunk) in enumerate(chunks)]):
+            for i, (spec, _) in enumerate(chunks):
+                if spec.req_id in refused:
+                    job.object_done(g, i, ok=False)
+            for batch in self._batches(g, read):
                 with self._settled:
                     self._batches_left += 1
                 try:
