@@ -107,7 +107,7 @@ def test_a_key_claimed_twice_before_it_is_taken_keeps_no_budget(tmp_path) -> Non
     fetched ahead again and a second load claims that copy. Each take gets one copy and frees its budget (the
     second claim used to replace the first, whose bytes then stayed reserved for good)."""
     from storage import open_store
-    from vllm_kvcodec.connector.prefetch import Prefetcher
+    from vllm_kvcodec.load.prefetch import Prefetcher
     from vllm_kvcodec.stats import ConnectorStats
 
     with open_store(f"file://{tmp_path / 'store'}") as store:

@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.parallel_configs import matched, put, scheduler_connector
 from vllm_kvcodec.errors import ConfigError
-from vllm_kvcodec.keys import Namespace, ObjectAddresses, chunk_hashes, chunk_object_keys, object_key
+from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses, chunk_hashes, chunk_object_keys, object_key
 
 TOKENS = list(range(2000, 2000 + 520))
 FIVE = Namespace("llama#x", "bfloat16", 5, 2, 32, "pages-bs16-v1", 1, 256, 2, pp_layers="3,2")

@@ -75,7 +75,7 @@ def test_stored_prefix_loads_each_groups_blocks(tmp_path, store, windows, pipeli
 def test_window_kv_is_really_checked(tmp_path, store, windows, monkeypatch) -> None:
     """Negative control: a load that skips the window groups' blocks is caught (its next token reads wrong KV)."""
     from vllm_kvcodec.connector import scheduler_half
-    from vllm_kvcodec.spans import Span
+    from vllm_kvcodec.plans.spans import Span
 
     p = prompt(300)
     stored(tmp_path, store, p, windows)
@@ -141,8 +141,8 @@ def test_a_failed_load_past_skipped_window_chunks_evicts_from_its_own_chunk(tmp_
 
 def test_a_save_retry_after_the_window_moved_on_is_dropped(tmp_path, store) -> None:
     """A save that did not land is planned again only while a window group still holds its blocks."""
-    from vllm_kvcodec.keys import chunk_hashes
-    from vllm_kvcodec.outcomes import SaveOutcome
+    from vllm_kvcodec.keys.chain import chunk_hashes
+    from vllm_kvcodec.plans.outcomes import SaveOutcome
 
     p = prompt(200)
 

@@ -47,7 +47,7 @@ def stored(tmp_path: Path, store: str, tokens: list[int], **kw: Any) -> None:
 
 
 def object_keys(engine: Engine, tokens: list[int], chunk: int) -> list[str]:
-    from vllm_kvcodec.keys import chunk_hashes, object_key
+    from vllm_kvcodec.keys.chain import chunk_hashes, object_key
 
     ns = engine.connector.scheduler.namespace
     h = chunk_hashes(ns, tokens, chunk + 1)[chunk]

@@ -33,10 +33,10 @@ from vllm_kvcodec.connector.cache_groups import FULL, CacheGroups, cache_groups_
 from vllm_kvcodec.connector.cache_identity import cache_dtype_name, check_uniform_cache_dtype, compute_dtype_name, is_fp8
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
-from vllm_kvcodec import key_hash
-from vllm_kvcodec.identity import compute_identity, config_inputs, model_identity
-from vllm_kvcodec.keys import Namespace, stored_ranks
-from vllm_kvcodec.token_digests import UNIT, digest_unit
+from vllm_kvcodec.keys import key_hash
+from vllm_kvcodec.keys.identity import compute_identity, config_inputs, model_identity
+from vllm_kvcodec.keys.chain import Namespace, stored_ranks
+from vllm_kvcodec.keys.token_digests import UNIT, digest_unit
 from vllm_kvcodec.connector.kv_events import store_events_for
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
 from vllm_kvcodec.connector.scheduler_half import SchedulerHalf
@@ -291,7 +291,7 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
 
 def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig, cache_groups: CacheGroups | None = None,
                     kv_cache_config: "KVCacheConfig | None" = None) -> Namespace:
-    """Everything that must match for two engines to share chunks (see keys.py).
+    """Everything that must match for two engines to share chunks (see keys/chain.py).
 
     The same in the scheduler and in every worker, whatever pipeline stage it
     runs: layers are counted over the whole model and the stages named.
@@ -326,7 +326,7 @@ def build_namespace(vllm_config: "VllmConfig", config: ConnectorConfig, cache_gr
 
 
 def _digest_unit(cache_groups: CacheGroups | None, block_size: int, chunk_size: int) -> int:
-    """The namespace's ``digest_unit``: tokens per token digest (the scheduler's, see token_digests.py) where it is
+    """The namespace's ``digest_unit``: tokens per token digest (the scheduler's, see keys/token_digests.py) where it is
     not the usual 16, else 0."""
     alignment = cache_groups.hit_alignment if cache_groups is not None else block_size
     unit = digest_unit(alignment, chunk_size)

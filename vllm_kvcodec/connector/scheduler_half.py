@@ -11,10 +11,10 @@ chunks completed across several steps of a chunked prefill. With
 ``block_hits`` (the default) a hit ends where vLLM's own prefix cache would
 end: it also saves each prompt's tail past its last full chunk (whole blocks,
 up to the block holding the last token) under a key that hangs off the chain
-(:func:`~vllm_kvcodec.keys.tail_hash`), and, when a request finishes, the
+(:func:`~vllm_kvcodec.keys.chain.tail_hash`), and, when a request finishes, the
 part of prompt and answer past their last full chunk (a chat's next turn);
 every saved object gets a ref per whole-block prefix
-(:mod:`~vllm_kvcodec.block_refs`), and a lookup reads, in a second batched
+(:mod:`~vllm_kvcodec.keys.block_refs`), and a lookup reads, in a second batched
 call, the refs of the whole-block prefixes right after its hit chunks and
 loads the longest that is stored: the same tokens vLLM would take from its
 own cache, so the same rounding and the same greedy tokens.
@@ -48,28 +48,30 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from storage import StoreError
 from storage.outage import StoreDownError
-from vllm_kvcodec.block_refs import Ref, parse_ref, prefix_hashes, ref_key
+from vllm_kvcodec.keys.block_refs import Ref, parse_ref, prefix_hashes, ref_key
 from vllm_kvcodec.connector.background_work import KeepStepping
 from vllm_kvcodec.connector.cache_groups import CacheGroups
 from vllm_kvcodec.connector.cache_identity import agreed_scales, is_fp8
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.format import TokenDigests
-from vllm_kvcodec.identity import PromptIdentity, prompt_identity
-from vllm_kvcodec.keys import Namespace, chunk_object_keys, extend_chunk_hashes, tail_hash, tail_position
+from vllm_kvcodec.keys.identity import PromptIdentity, prompt_identity
+from vllm_kvcodec.keys.chain import Namespace, chunk_object_keys, extend_chunk_hashes, tail_hash, tail_position
 from vllm_kvcodec.connector.kv_events import StoreEvents
 from vllm_kvcodec.connector.load_ledger import LoadLedger, RestingSave
 from vllm_kvcodec.connector.lora_keys import AdapterKeys
 from vllm_kvcodec.connector.lookup import Answer, AsyncLookup, Question, Tail, answer_questions, tail_candidates
 from vllm_kvcodec.connector.lookup_budget import LookupBudget
-from vllm_kvcodec.connector.metadata import (ChunkLoad, KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, LoadSpec,
-                                              PrefetchSpec, SaveOutcome, SaveSpec)
+from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
+from vllm_kvcodec.plans.loads import ChunkLoad, LoadSpec, PrefetchSpec
+from vllm_kvcodec.plans.outcomes import LoadOutcome, SaveOutcome
+from vllm_kvcodec.plans.saves import SaveSpec
 from vllm_kvcodec.paged.slots import slots_for_tokens
-from vllm_kvcodec.spans import Span
+from vllm_kvcodec.plans.spans import Span
 from vllm_kvcodec.connector.save_claims import SaveClaims
 from vllm_kvcodec.stats import ConnectorStats
 from vllm_kvcodec.connector.store_access import open_connector_store
-from vllm_kvcodec.token_digests import digest_unit, token_digests
+from vllm_kvcodec.keys.token_digests import digest_unit, token_digests
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -124,7 +126,7 @@ class _Tracked:
     finish_planned: bool = False  # its finishing tail (block_hits) was planned: vLLM holds its blocks until saved
     awaiting_room: dict[int, int] = dataclasses.field(default_factory=dict)  # chunk (TAIL: tail) -> bytes it needs
     waiting_on: set[str] = dataclasses.field(default_factory=set)  # chunks it left to another request's save
-    prefetching: bool = False  # the worker was asked to fetch its hit ahead (see prefetch.py)
+    prefetching: bool = False  # the worker was asked to fetch its hit ahead (see load/prefetch.py)
     loads: set[int] = dataclasses.field(default_factory=set)  # its loads not reported yet (ledger ids), not others'
     adapter: tuple[int, str] | None = None  # LoRA: (adapter id, weights its keys name), see lora_keys.py
     adapter_reloaded: bool = False  # the workers reloaded its adapter from other files while it ran: never cached
@@ -452,7 +454,7 @@ class SchedulerHalf:
 
     def _digests(self, tracked: _Tracked, index: int, tokens: int) -> TokenDigests:
         """The digests of this request's first ``tokens`` of chunk ``index`` (rounded up to whole digests) that an
-        object loaded or saved there must record (see token_digests.py)."""
+        object loaded or saved there must record (see keys/token_digests.py)."""
         unit = self.digest_unit
         tokens = min(-(-tokens // unit) * unit, (tracked.request.num_tokens - index * self.chunk) // unit * unit)
         return token_digests(self.namespace, tracked.request.all_token_ids, self._hashes(tracked, index), tokens, unit,
@@ -589,7 +591,7 @@ class SchedulerHalf:
 
     def _refs(self, tracked: _Tracked, index: int, tokens: int) -> list[tuple[str, int]]:
         """The whole-block prefixes of an object of ``tokens`` tokens at chunk ``index`` (block_hits; see
-        block_refs.py): what a prompt sharing only those blocks looks up."""
+        keys/block_refs.py): what a prompt sharing only those blocks looks up."""
         if not self.config.block_hits or tracked.identity is None:
             return []
         return prefix_hashes(self.namespace, tracked.request.all_token_ids, tracked.hashes[:index], tokens,

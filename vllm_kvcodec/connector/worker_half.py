@@ -25,24 +25,26 @@ import torch
 from storage.options import redact_url
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from vllm_kvcodec.codecs.choice import CodecChooser
+from vllm_kvcodec.save.codec_choice import CodecChooser
 from vllm_kvcodec.connector.background_work import BackgroundTally
 from vllm_kvcodec.connector.cache_groups import CacheGroups, layer_index
 from vllm_kvcodec.connector.cache_identity import KVCodecHandshake, is_fp8, scales_digest
 from vllm_kvcodec.connector.config import ConnectorConfig
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.codecs import policy
-from vllm_kvcodec.codecs.warmup import warm_up
+from vllm_kvcodec.save.codec_warmup import warm_up
 from vllm_kvcodec.load.cores import idle_cores, load_threads
 from vllm_kvcodec.load.load_balance import LoadBalance
-from vllm_kvcodec.connector.prefetch import Prefetcher
+from vllm_kvcodec.load.prefetch import Prefetcher
 from vllm_kvcodec.load.fetcher import Fetcher
-from vllm_kvcodec.keys import Namespace, ObjectAddresses
+from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.connector.lora_loads import LoadedAdapters, watch_adapter_loads
-from vllm_kvcodec.malloc_tuning import reuse_large_buffers
-from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, SaveOutcome, SaveSpec
+from vllm_kvcodec.runtime.malloc import reuse_large_buffers
+from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
+from vllm_kvcodec.plans.outcomes import LoadOutcome, SaveOutcome
+from vllm_kvcodec.plans.saves import SaveSpec
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, layouts_for, shared_kv_layers
 from vllm_kvcodec.paged.objects import object_layout_for
 from vllm_kvcodec.save.gather import SaveGather, chunk_nbytes, save_gather_for
@@ -143,7 +145,7 @@ class WorkerHalf:
                                reads_in_memory=self.store.reads_in_memory, whole_loads=self._whole_loads)
         self.chooser.decoders = threads.decode
         if caches[0].is_cuda and self.chooser.auto:  # auto calibrates the decoders this fetcher uses (device, NVDEC)
-            from vllm_kvcodec.codecs.choice import cuda_decode_paths
+            from vllm_kvcodec.save.codec_choice import cuda_decode_paths
 
             self.chooser.decode_paths = cuda_decode_paths(caches[0].device, threads.decode)
         self.chooser.reads_cost_cpu = self.store.reads_in_memory

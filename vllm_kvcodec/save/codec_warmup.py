@@ -23,7 +23,7 @@ logger = logging.getLogger("vllm_kvcodec")
 def warm_up(dtype: torch.dtype) -> dict[str, float]:
     """Encode and decode a small sample with every codec that holds ``dtype``; seconds per codec."""
     from vllm_kvcodec.codecs import codec_ids, get_codec
-    from vllm_kvcodec.dtypes import DType
+    from vllm_kvcodec.codecs.dtypes import DType
     from vllm_kvcodec.format import decode_chunk, encode_chunk
 
     wire = DType.from_torch(dtype)

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vllm_kvcodec.codecs import Codec, get_codec
-from vllm_kvcodec.codecs.link_estimate import LinkEstimate
+from vllm_kvcodec.save.link_estimate import LinkEstimate
 from vllm_kvcodec.codecs.policy import AUTO, AUTO_CANDIDATES, encode_rank
 from vllm_kvcodec.format import decode_chunk, encode_chunk
 
@@ -182,7 +182,7 @@ def cuda_decode_paths(device: torch.device, decode_threads: int) -> dict[str, De
     """The decode paths of a CUDA engine's fetcher: Triton SplitZip on ``device`` (bf16), and NVDEC for ``video``
     where it works here (as many sessions as the GPU has NVDEC engines, at most the threads). Codecs left out
     decode on the CPU threads."""
-    from vllm_kvcodec.device_chunks import SplitZipGPU, decode_video_chunk_nvdec
+    from vllm_kvcodec.format.device_chunks import SplitZipGPU, decode_video_chunk_nvdec
     from vllm_kvcodec.gpu import nvcodec
 
     gpu = SplitZipGPU()
