@@ -201,7 +201,7 @@ def test_an_unpinned_hub_model_is_keyed_by_the_commit_its_revision_names(tmp_pat
 def _namespace(**engine_args) -> Namespace:
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_kvcodec.connector.facade import build_namespace
+    from vllm_kvcodec.connector.engine_namespace import build_namespace
     from vllm_kvcodec.tools.smollm2 import model_dir
 
     args = {"model": str(model_dir()), "dtype": "bfloat16", "block_size": 128, "enforce_eager": True, "max_model_len": 2048}

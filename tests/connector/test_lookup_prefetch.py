@@ -97,7 +97,7 @@ def test_bytes_fetched_ahead_are_checked_at_load_time(tmp_path) -> None:
 
 def test_no_prefetch_for_a_store_on_this_host(tmp_path) -> None:
     e = Engine(tmp_path, f"file://{tmp_path / 'store'}")
-    assert e.worker.worker.prefetcher is None and not e.connector.scheduler._prefetches
+    assert e.worker.worker.prefetcher is None and not e.connector.scheduler.loads.prefetches
     e2 = Engine(tmp_path, f"link+file://{tmp_path / 'store'}?gbps=1", prefetch_bytes=0)
     assert e2.worker.worker.prefetcher is None
 

@@ -108,11 +108,11 @@ def test_a_rank_failing_a_step_after_the_other_finished_counts_once_and_keeps_sa
             break
     else:
         raise AssertionError("rank 0 never reported its load")
-    chunk_2 = scheduler._requests["r"].hashes[2]
+    chunk_2 = scheduler.requests["r"].hashes[2]
     assert step.rank_reports[0].loads["r"].failed == ([chunk_2] if 0 in failing else [])
     assert e.scheduler.requests["r"].status.name == "WAITING_FOR_REMOTE_KVS", "vLLM waits for rank 1 too"
     assert scheduler.ledger.inflight_requests() == ["r"], "settled before rank 1 reported"
-    assert scheduler._requests["r"].failures_seen == 0
+    assert scheduler.requests["r"].failures_seen == 0
 
     gate.set()
     assert e.ranks[1].connector.worker._async_jobs["r"].done.wait(60)
@@ -120,8 +120,8 @@ def test_a_rank_failing_a_step_after_the_other_finished_counts_once_and_keeps_sa
     assert step.rank_reports[1].loads["r"].failed == [chunk_2]
     assert step.finished_recving == {"r"}, "vLLM's aggregator: both ranks have reported"
     assert not scheduler.ledger.inflight_requests()
-    assert scheduler._requests["r"].failures_seen == 1, "the failure is counted against its request, once"
-    assert scheduler._requests["r"].next_save == 2, "its chunks from the failed one on are saved again"
+    assert scheduler.requests["r"].failures_seen == 1, "the failure is counted against its request, once"
+    assert scheduler.requests["r"].next_save == 2, "its chunks from the failed one on are saved again"
 
     e.run()
     e.flush()

@@ -340,7 +340,7 @@ class Engine:
         from vllm_kvcodec.connector import KVCodecConnector
 
         with set_current_vllm_config(self.vllm_config), self._replication(), \
-                unittest.mock.patch("vllm_kvcodec.connector.facade._tp_rank", return_value=index):
+                unittest.mock.patch("vllm_kvcodec.connector.facade.tp_rank", return_value=index):
             connector = KVCodecConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
         caches = self._allocate_caches()
         self._register(connector, caches)
@@ -355,7 +355,7 @@ class Engine:
 
         if not self.replicated:
             return contextlib.nullcontext()
-        return unittest.mock.patch("vllm_kvcodec.connector.facade._replicated", return_value=True)
+        return unittest.mock.patch("vllm_kvcodec.connector.engine_namespace._replicated", return_value=True)
 
     def _register(self, connector: Any, caches: dict[str, torch.Tensor]) -> None:
         """``register_kv_caches``; without an fp8 kernel here, with the layouts' op check skipped (see the module doc)."""
