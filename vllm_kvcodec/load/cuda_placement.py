@@ -295,7 +295,7 @@ class CudaPlacement(Placement):
     def scatter(self, layers: range, decoded: Decoded) -> None:
         groups = {self.cache_groups[layer] for layer in layers}
         with self.side.active():
-            if isinstance(self.objects, PageObjects):  # whole pages: block copies on the device
+            if isinstance(self.objects_of(decoded), PageObjects):  # whole pages: block copies on the device
                 self.write_layers(layers, decoded)
                 return
             if self.pages is not None and len(groups) == 1:
