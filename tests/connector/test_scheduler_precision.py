@@ -20,34 +20,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from storage import open_store
-from tests.support.scheduler_harness import Engine, loads_of, prompt, true_kv
+from tests.support.adversarial import SCALE_DAMAGE, bad_scales_payload
+from tests.support.scheduler_harness import Engine, loads_of, prompt, saved_by, true_kv
 from vllm_kvcodec.codecs import get_codec
-from vllm_kvcodec.codecs.quantized import _SCALES, _half
-from vllm_kvcodec.codecs.rans import encode_plane
-from vllm_kvcodec.codecs.dtypes import DType
-from vllm_kvcodec.format import build_chunk, payload_of, read_header
+from vllm_kvcodec.format import build_chunk, decode_chunk, payload_of, read_header
 from vllm_kvcodec.keys.chain import Namespace, chunk_hashes, object_key
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 P, Q = prompt(100, 1), prompt(100, 2)  # chunks of 32, blocks of 16: 3 full chunks each
 EXACT = {"kvcodec_precision": "lossless"}
-
-
-def saved(tmp_path: Path, store: str, tokens: list[int] = P, **extra) -> Engine:
-    """``tokens`` computed and saved by an engine of these settings, which is shut down (a store is all it leaves)."""
-    e = Engine(tmp_path, store, **extra)
-    e.add("saver", tokens, max_tokens=1)
-    e.run()
-    e.flush()
-    e.assert_empty()
-    e.shutdown()
-    return e
 
 
 def namespace(e: Engine, precision: str = "lossless") -> Namespace:
@@ -70,13 +56,27 @@ def codecs_of(store: str, keys: list[str]) -> list[str | None]:
         return [None if (blob := s.get(k)) is None else read_header(blob).codec_id for k in keys]
 
 
+def assert_holds_quantised(store: str, key: str, tokens: list[int], chunk: int) -> None:
+    """The lossy object under ``key`` holds chunk ``chunk`` of the fake model's KV of ``tokens`` (read out of the
+    engine's pages as canonical KV), each value within half a step of its group's range (quantisation's error), not
+    other positions' values (a transform gone wrong is off by the whole range)."""
+    with open_store(store) as s:
+        got = decode_chunk(s.get(key)).float()
+    want = torch.stack([true_kv(tokens, chunk * 32, chunk * 32 + 32, layer) for layer in range(got.shape[0])]).float()
+    assert got.shape == want.shape  # [layers, 2, tokens, heads, dim]
+    span = (want.amax(dim=(2, 3, 4), keepdim=True) - want.amin(dim=(2, 3, 4), keepdim=True))  # per layer, K or V
+    assert ((got - want).abs() <= span / 255 / 2 * 1.01 + want.abs() / 128).all()
+    assert not torch.equal(got, want), "quantised: not bit-exact"
+
+
 def read_precisions(e: Engine, req_id: str) -> list[tuple[str, ...]]:
     return [c.precisions for spec in loads_of(e, [req_id]) for c in spec.chunks]
 
 
 def test_a_lossless_engine_finds_nothing_an_int8_engine_saved(tmp_path, store) -> None:
-    lossy = saved(tmp_path, store, precision="int8")
+    lossy = saved_by(tmp_path, store, P, precision="int8")
     assert in_namespace(store, namespace(lossy, "int8")) and not in_namespace(store, namespace(lossy))
+    assert_holds_quantised(store, objects_of(store, namespace(lossy, "int8"), P, 1)[0], P, 1)
     f = Engine(tmp_path, store)
     f.add("r", P, max_tokens=1)
     f.run()
@@ -89,8 +89,8 @@ def test_a_request_demanding_lossless_on_a_lossy_server_reads_only_lossless_obje
     """The store holds P lossless (a lossless engine saved it) and int8 (an int8 engine did). On an int8 server a
     request first loads P lossy; then one demanding lossless meets those lossy blocks as its local hit: they are
     evicted from vLLM's prefix cache, and it loads P's lossless objects, bit for bit (the harness checks it)."""
-    saved(tmp_path, store)
-    saved(tmp_path, store, precision="int8")
+    saved_by(tmp_path, store, P)
+    saved_by(tmp_path, store, P, precision="int8")
     f = Engine(tmp_path, store, precision="int8")
     f.add("lossy", P, max_tokens=1)
     f.run()
@@ -108,8 +108,8 @@ def test_a_request_demanding_lossless_on_a_lossy_server_reads_only_lossless_obje
 def test_lossless_and_lossy_requests_asked_in_one_step_each_read_their_own_objects(tmp_path, store) -> None:
     """P stored lossless, Q int8: asked in one step (on the lookup thread, in one batch), each request finds its
     prompt in its own namespace."""
-    saved(tmp_path, store, P)
-    saved(tmp_path, store, Q, precision="int8")
+    saved_by(tmp_path, store, P)
+    saved_by(tmp_path, store, Q, precision="int8")
     f = Engine(tmp_path, store, precision="int8")
     f.add("exact", P, max_tokens=1, kv_transfer_params=EXACT)
     f.add("lossy", Q, max_tokens=1)
@@ -132,7 +132,7 @@ def nan_in_chunk_1(tokens: list[int], start: int, stop: int, layer: int, dtype: 
 def test_a_chunk_holding_nan_or_inf_is_saved_lossless_only(tmp_path, store, precision) -> None:
     """int8: chunk 1 is a lossless object in the int8 namespace (a lossy reader decodes it, exactly); auto: it has
     its lossless object and no lossy variant, and a load that wanted the variant reads the lossless one."""
-    e = saved(tmp_path, store, precision=precision, kv_fn=nan_in_chunk_1, precision_load_budget_s=1e-6)
+    e = saved_by(tmp_path, store, P, precision=precision, kv_fn=nan_in_chunk_1, precision_load_budget_s=1e-6)
     stats = e.stats()
     assert stats["precision_nonfinite_chunks"] == 1
     lossy = namespace(e, "int8")
@@ -160,30 +160,16 @@ def damaged(blob: bytes, key: str, damage: str) -> bytes:
     """A stored int8 object with bad scales: what a broken or tampering writer leaves (header, key binding, token
     digests and checksum intact, so that only the codec's own checks can catch it)."""
     header = read_header(blob, key=key)
-    codec = get_codec(header.codec_config)
-    parts = codec.unpack(payload_of(blob, header), header.dtype, header.shape)
-    k_min, k_step = parts.k_min.copy(), parts.k_step.copy()
-    if damage == "zero step":
-        k_step[0, 0, 0] = 0.0
-    elif damage == "nan step":
-        k_step[0, 1, 2] = np.nan
-    elif damage == "inf minimum":
-        k_min[0, 0, 5] = np.inf
-    scales = _SCALES.encode(np.concatenate([_half(a) for a in (k_min, k_step, parts.v_min, parts.v_step)]),
-                            DType.BFLOAT16)
-    size = np.uint32(len(scales)).tobytes()
-    if damage == "truncated scales":
-        scales = scales[: len(scales) // 2]  # shorter than its size says: the section runs into what follows
-    payload = b"".join((size, scales, parts.kept.tobytes(), encode_plane(parts.keys.reshape(-1)),
-                        encode_plane(parts.values.reshape(-1))))
-    return build_chunk(payload, header.dtype, header.shape, header.codec_config, key=key, tokens=header.tokens)
+    parts = get_codec(header.codec_config).unpack(payload_of(blob, header), header.dtype, header.shape)
+    return build_chunk(bad_scales_payload(parts, damage), header.dtype, header.shape, header.codec_config, key=key,
+                       tokens=header.tokens)
 
 
-@pytest.mark.parametrize("damage", ["zero step", "nan step", "inf minimum", "truncated scales"])
+@pytest.mark.parametrize("damage", SCALE_DAMAGE)
 def test_bad_scales_are_a_failed_load_and_a_recompute(tmp_path, store, damage) -> None:
     """Chunk 0's int8 objects with bad scales: the load fails on them (kind corrupt), vLLM is told their blocks and
     computes the prompt from its first token again; no request reads what they would decode to."""
-    e = saved(tmp_path, store, precision="int8")
+    e = saved_by(tmp_path, store, P, precision="int8")
     with open_store(store) as s:
         for key in objects_of(store, namespace(e, "int8"), P, 0):
             s.put(key, damaged(s.get(key), key, damage))
@@ -212,9 +198,11 @@ def test_auto_reads_the_lossy_variant_on_a_slow_link_and_the_lossless_object_on_
     link cannot bring P's lossless objects within its 2 ms budget: it reads the variant; behind 100 Gbit/s it reads
     the lossless objects (the harness checks them bit for bit); a request with a budget of its own (60 s) reads
     lossless on the slow link too (a fresh engine: the first one's prefix cache holds P)."""
-    e = saved(tmp_path, store, **AUTO)
+    e = saved_by(tmp_path, store, P, **AUTO)
     ns, lossy = namespace(e), namespace(e, "int8")
     assert len(in_namespace(store, ns)) > 0 and len(in_namespace(store, lossy)) == 3 * len(ns.layer_groups())
+    variant = object_key(lossy, chunk_hashes(ns, P, 3)[2], 0, 0)  # under the lossless chain's hash
+    assert_holds_quantised(store, variant, P, 2)
     slow = Engine(tmp_path, link(tmp_path, 0.1), **AUTO)
     slow.add("r", P, max_tokens=1)
     slow.run()
@@ -240,7 +228,7 @@ def test_auto_reads_the_lossy_variant_on_a_slow_link_and_the_lossless_object_on_
 def test_under_auto_what_a_request_computes_over_lossy_kv_is_not_saved(tmp_path, store) -> None:
     """A request that read P's variant goes on to compute two more chunks: they rest on lossy KV, so they are not
     saved (a lossless object is the ground truth); a lossless engine then computes them itself."""
-    saved(tmp_path, store, **AUTO)
+    saved_by(tmp_path, store, P, **AUTO)
     longer = P[:96] + prompt(70, 5)
     slow = Engine(tmp_path, link(tmp_path, 0.1), **AUTO)
     slow.add("r", longer, max_tokens=1)

@@ -847,6 +847,18 @@ def loaded_tokens(engine: Engine, req_id: str) -> int:
     return sum(c.tokens for spec in loads_of(engine, [req_id]) for c in spec.chunks)
 
 
+def saved_by(root: Path, store: str, tokens: list[int], **settings: Any) -> Engine:
+    """An engine of these settings computes ``tokens`` and saves its chunks, then shuts down: the store is all it
+    leaves (the engine is returned for its namespaces)."""
+    engine = Engine(root, store, **settings)
+    engine.add("saver", tokens, max_tokens=1)
+    engine.run()
+    engine.flush()
+    engine.assert_empty()
+    engine.shutdown()
+    return engine
+
+
 def reload(engine: Engine, tokens: list[int]) -> int:
     """One request of ``tokens`` in a fresh ``engine`` on the stored chunks, run to its end: the tokens it loaded.
 

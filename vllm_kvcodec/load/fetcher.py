@@ -335,8 +335,8 @@ class Fetcher:
         with value:
             head, header = read_head(value, key)
             layers = self.groups[group]
-            self._check(header, chunk, len(layers), key, self.objects)
-            runs = self._page_runs(layers, chunk.spans, header) if is_raw(header) else None
+            self._check(header, chunk, len(layers), key, self._objects[chunk.precisions[0]])
+            runs = self._page_runs(layers, chunk.spans, header, chunk.precisions[0]) if is_raw(header) else None
             if runs is None:  # compressed, or not landing whole: read it all, then decode and scatter
                 blob = value.read(0, value.size)
                 t1 = time.perf_counter()
