@@ -84,6 +84,45 @@ def test_a_lossless_engine_finds_nothing_an_int8_engine_saved(tmp_path, store) -
     f.assert_empty()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_int8_hit_ends_on_a_block_through_the_int8_namespace_s_refs(tmp_path, store, tp) -> None:
+    """A prompt sharing P's first 48 tokens (chunk 0 and a block of chunk 1) loads them through a block ref of the
+    int8 namespace, on every tensor-parallel rank; a lossless engine finds neither chunks nor refs there."""
+    saved_by(tmp_path, store, P, precision="int8", tp=tp)
+    shared = P[:48] + prompt(40, 9)
+    f = Engine(tmp_path, store, precision="int8", tp=tp)
+    f.add("r", shared, max_tokens=1)
+    f.run()
+    assert sum(c.tokens for spec in loads_of(f, ["r"]) for c in spec.chunks) == 48
+    assert read_precisions(f, "r") == [("int8",)] * 2
+    assert f.scheduler_stats()["refs_read"] >= 1 and f.stats(tp - 1)["precision_reads_int8"] == 2
+    f.assert_empty()
+    g = Engine(tmp_path, store, tp=tp)
+    g.add("r", shared, max_tokens=1)
+    g.run()
+    assert not loads_of(g, ["r"]) and g.scheduler_stats().get("refs_read", 0) == 0
+    g.assert_empty()
+
+
+def test_the_first_layers_and_sink_tokens_stay_exact(tmp_path, store) -> None:
+    """precision_full_layers 1 and precision_sink_tokens 16: every object keeps layer 0 bit for bit, and only the
+    sequence's first chunk keeps its first 16 tokens; the rest is quantised."""
+    e = saved_by(tmp_path, store, P, precision="int8", precision_full_layers=1, precision_sink_tokens=16)
+    lossy = namespace(e, "int8")
+    assert lossy.precision == "int8+sink16+full1"
+    with open_store(store) as s:
+        blobs = [s.get(objects_of(store, lossy, P, c)[0]) for c in range(2)]
+    configs = [read_header(b).codec_config for b in blobs]
+    assert configs[0]["sink_tokens"] == 16 and "sink_tokens" not in configs[1]
+    assert configs[0]["full_layers"] == configs[1]["full_layers"] == 1
+    for c, blob in enumerate(blobs):
+        got = decode_chunk(blob).view(torch.int16)
+        want = [true_kv(P, 32 * c, 32 * c + 32, layer).view(torch.int16) for layer in range(2)]
+        assert torch.equal(got[0], want[0])  # the full layer
+        assert torch.equal(got[1, :, :16], want[1][:, :16]) == (c == 0)  # the sink tokens, in the first chunk only
+        assert not torch.equal(got[1, :, 16:], want[1][:, 16:])
+
+
 @pytest.mark.usefixtures("lookup")
 def test_a_request_demanding_lossless_on_a_lossy_server_reads_only_lossless_objects(tmp_path, store) -> None:
     """The store holds P lossless (a lossless engine saved it) and int8 (an int8 engine did). On an int8 server a
