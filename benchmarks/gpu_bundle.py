@@ -275,7 +275,7 @@ def _nvdec_caps() -> None:
         from vllm_kvcodec.gpu import nvcodec
         from vllm_kvcodec.gpu.nvdec_sessions import decoder_caps
 
-        nvc = nvcodec._import_nvc()
+        nvc = nvcodec.import_nvc()
         print(f"PyNvVideoCodec for the product: {getattr(nvc, '__name__', nvc)} from {getattr(nvc, '__file__', '?')}")
         print(f"NVDEC caps (HEVC 4:4:4 8-bit): {decoder_caps(torch.device('cuda', 0), nvc)}")
     except Exception as exc:  # noqa: BLE001

@@ -357,7 +357,7 @@ def sec_realkv(d: dict) -> None:
         back2 = g.decode_splitzip_gpu(payload, x.numel())
         row["decode_of_own_payload_bit_exact"] = bool(torch.equal(back2.view(torch.int16), x.reshape(-1).view(torch.int16)))
         try:
-            from vllm_kvcodec.device_chunks import SplitZipGPU  # needs the chunk format: xxhash, every codec's imports
+            from vllm_kvcodec.format.device_chunks import SplitZipGPU  # needs the chunk format: xxhash, every codec's imports
         except Exception as exc:  # noqa: BLE001
             row["chunk_blob_equals_cpu"] = f"skipped (chunk format not importable: {type(exc).__name__}: {exc})"
         else:
@@ -559,7 +559,7 @@ def _save_back(caches: list, layouts: list, sc, kv: torch.Tensor, chunk: int) ->
     this check in the CI dry run, not on the device.
     """
     from storage import open_store
-    from vllm_kvcodec.codecs.choice import CodecChooser
+    from vllm_kvcodec.save.codec_choice import CodecChooser
     from vllm_kvcodec.format import decode_chunk
     from vllm_kvcodec.save.cuda_gather import CudaSaveGather
     from vllm_kvcodec.save.saver import Saver
@@ -672,7 +672,7 @@ def sec_gpu_fetcher(d: dict) -> None:
 
 
 def sec_nvcodec(d: dict) -> None:
-    from vllm_kvcodec import device_chunks
+    from vllm_kvcodec.format import device_chunks
     from vllm_kvcodec.gpu import nvcodec
 
     ok, reason = nvcodec.nvdec_available()
@@ -723,8 +723,8 @@ def sec_nvcodec(d: dict) -> None:
 
 def sec_nvenc(d: dict) -> None:
     """The NVENC probe, after every NVDEC figure: it loads libnvidia-encode, absent on H200s (no NVENC there)."""
-    from vllm_kvcodec.device_chunks import parse_video_payload
-    from vllm_kvcodec.gpu import nvcodec
+    from vllm_kvcodec.format.device_chunks import parse_video_payload
+    from vllm_kvcodec.gpu import nvcodec, nvdec_sessions
 
     ok_enc, reason_enc = nvcodec.nvenc_available()
     d["nvenc"] = {"available": ok_enc, "reason": reason_enc}
@@ -742,7 +742,7 @@ def sec_nvenc(d: dict) -> None:
     exps = ((bits16(want) >> 7) & 0xFF).astype(np.uint8)
     planes = to_planes(exps, parsed.geometry)
     stream = nvcodec.nvenc_encode_planes(planes)
-    back = nvcodec.nvdec_decode_planes(stream, parsed.width, parsed.height, parsed.frames, DEVICE)
+    back = nvdec_sessions.nvdec_decode_planes(stream, parsed.width, parsed.height, parsed.frames, DEVICE)
     d["nvenc"]["roundtrip_bit_exact"] = bool(np.array_equal(back.cpu().numpy(), planes))
     d["nvenc"]["stream_bytes"] = len(stream)
 

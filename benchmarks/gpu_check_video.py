@@ -126,7 +126,7 @@ def _oracle_blob(kv: torch.Tensor) -> bytes:
 
     from vllm_kvcodec.codecs.video import _HEAD, VideoCodec, split
     from vllm_kvcodec.codecs.video_layout import geometry, to_planes
-    from vllm_kvcodec.dtypes import DType
+    from vllm_kvcodec.codecs.dtypes import DType
     from vllm_kvcodec.format import ValueDigest, build_chunk, value_digest
 
     bits = kv.contiguous().view(torch.int16).numpy().view(np.uint16)
@@ -150,7 +150,7 @@ def _session_factory() -> tuple[Any, str]:
 
     ok, reason = nvcodec.nvdec_available() if DEVICE.type == "cuda" else (False, "no CUDA device")
     if ok:
-        return NvdecSessions(nvcodec._import_nvc()), reason
+        return NvdecSessions(nvcodec.import_nvc()), reason
     if DRY:
         from vllm_kvcodec.tools.gpu_nvc_stand_in import KnownPictures, LibavPictures, StandInNvc
 
@@ -177,7 +177,7 @@ def _timed(fn: Any) -> float:
 
 def sec_nvdec_decode(d: dict) -> None:
     """NVDEC's caps; decode throughput of one reused session, then 2..7 sessions on threads; two picture sizes."""
-    from vllm_kvcodec.device_chunks import parse_video_payload
+    from vllm_kvcodec.format.device_chunks import parse_video_payload
     from vllm_kvcodec.gpu.nvdec_sessions import decoder_caps
 
     factory, reason = _session_factory()
@@ -228,7 +228,7 @@ def _want_exponents(kv: torch.Tensor) -> torch.Tensor:
 
 def _two_sizes(factory: Any) -> dict:
     """The full chunk and the tail, alternately, through the product's pool (one decoder per picture size)."""
-    from vllm_kvcodec.device_chunks import parse_video_payload
+    from vllm_kvcodec.format.device_chunks import parse_video_payload
     from vllm_kvcodec.gpu.nvdec_sessions import SessionPool
 
     pool = SessionPool(lambda: factory(DEVICE), 2)
@@ -401,7 +401,7 @@ def _video_stages(sc: Any, factory: Any, loader: _Loader) -> dict:
     """Decode, join, checksum (the value digest; the old one-program exponent hash beside it) and scatter of every
     object of the scenario, each stage timed on its own on the current stream (the fetcher's own run overlaps
     them on its threads; this says which one limits)."""
-    from vllm_kvcodec.device_chunks import ExponentHashCheck, parse_video_payload, value_check
+    from vllm_kvcodec.format.device_chunks import ExponentHashCheck, parse_video_payload, value_check
     from vllm_kvcodec.format import payload_of, read_header
     from vllm_kvcodec.gpu.nvdec_join_triton import join_exponents
     from vllm_kvcodec.gpu.nvdec_sessions import SessionPool
@@ -444,7 +444,7 @@ def _video_stages(sc: Any, factory: Any, loader: _Loader) -> dict:
 def _splitzip_stages() -> dict:
     """SplitZip's device path, the same way: Triton decode, the value digest of the decoded values, scatter."""
     from vllm_kvcodec.codecs.video import VideoCodec
-    from vllm_kvcodec.device_chunks import SegmentedDigestCheck
+    from vllm_kvcodec.format.device_chunks import SegmentedDigestCheck
     from vllm_kvcodec.format import ValueDigest, value_digest
     from vllm_kvcodec.gpu import splitzip_triton as sz
 

@@ -23,12 +23,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from vllm_kvcodec.block_refs import prefix_hashes
+from vllm_kvcodec.keys.block_refs import prefix_hashes
 from vllm_kvcodec.connector.lookup import tail_candidates
-from vllm_kvcodec.identity import PLAIN
-from vllm_kvcodec.key_hash import SHA256, XXH3
-from vllm_kvcodec.keys import Namespace, chunk_hashes
-from vllm_kvcodec.token_digests import token_digests
+from vllm_kvcodec.keys.identity import PLAIN
+from vllm_kvcodec.keys.key_hash import SHA256, XXH3
+from vllm_kvcodec.keys.chain import Namespace, chunk_hashes
+from vllm_kvcodec.keys.token_digests import token_digests
 
 CHUNK = 256
 PROMPTS = (1024, 4096, 16384)

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from vllm_kvcodec.codecs.splitzip import SplitZipCodec
-    from vllm_kvcodec.dtypes import DType
+    from vllm_kvcodec.codecs.dtypes import DType
     from vllm_kvcodec.format import encode_chunk
     from vllm_kvcodec.tools.smollm2 import real_kv
 

@@ -47,7 +47,7 @@ def _prefixes(count: int, tokens: int) -> list[torch.Tensor]:
 
 def _namespace(kv: torch.Tensor, store_url: str, codec: str) -> Any:
     from vllm_kvcodec.connector.config import ConnectorConfig
-    from vllm_kvcodec.keys import Namespace
+    from vllm_kvcodec.keys.chain import Namespace
     from vllm_kvcodec.paged import CANONICAL_NAMESPACE
 
     layers, _, _, heads, dim = kv.shape
@@ -61,7 +61,7 @@ def _save(far_url: str, prefixes: list[torch.Tensor], codec: str) -> tuple[Any, 
     from storage import open_store
     from vllm_kvcodec.codecs import get_codec
     from vllm_kvcodec.format import encode_chunk
-    from vllm_kvcodec.keys import ObjectAddresses, chunk_hashes
+    from vllm_kvcodec.keys.chain import ObjectAddresses, chunk_hashes
 
     namespace = _namespace(prefixes[0], far_url, codec)
     addresses = ObjectAddresses(namespace, 0, tuple(namespace.layer_groups()))
@@ -114,7 +114,8 @@ class Engine:
         self.exact = True
 
     def load(self, hashes: list[str], source: torch.Tensor, check: bool) -> None:
-        from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec, Span
+        from vllm_kvcodec.plans.loads import ChunkLoad, LoadSpec
+        from vllm_kvcodec.plans.spans import Span
 
         per = CHUNK_TOKENS // BLOCK_SIZE
         chunks = [ChunkLoad(h, [Span(0, self.slots[c * CHUNK_TOKENS : (c + 1) * CHUNK_TOKENS].tolist())],

@@ -10,12 +10,18 @@ See docs/stores.md for the URL forms, options and guarantees; the test and bench
 wrappers (``link+``, ``faults+``) and servers live in :mod:`storage.testing`.
 """
 
-from storage.base import MAX_KEY_LENGTH, Store, validate_key
-from storage.errors import InvalidKeyError, StoreError, StoreUnavailableError, StoreURLError
-from storage.ranged import RangedValue
-from storage.registry import check_url, describe_schemes, open_store, reads_in_memory
+#: The distribution this top-level ``storage`` package belongs to. ``storage`` is a common name: vllm_kvcodec checks
+#: this marker when it is imported, so a package of that name from another distribution (or a folder on sys.path)
+#: that shadows this one is refused at once, by path, instead of failing later with a confusing AttributeError.
+DISTRIBUTION = "vllm-kvcodec"
+
+from storage.base import MAX_KEY_LENGTH, Store, validate_key  # noqa: E402
+from storage.errors import InvalidKeyError, StoreError, StoreUnavailableError, StoreURLError  # noqa: E402
+from storage.ranged import RangedValue  # noqa: E402
+from storage.registry import check_url, describe_schemes, open_store, reads_in_memory  # noqa: E402
 
 __all__ = [
+    "DISTRIBUTION",
     "MAX_KEY_LENGTH",
     "InvalidKeyError",
     "RangedValue",

@@ -55,41 +55,19 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote, unquote
 
-import xxhash
-
 from storage.base import Store
 from storage.errors import StoreError, StoreURLError
 from storage.options import parse_float, parse_int, parse_size, redact_url, reject_unknown, split_query, with_query
-from storage.ranged import RangedValue
+from storage.ranged import TRAILER_BYTES, BytesRange, CheckedRange, RangedValue, seal, unseal
 
 logger = logging.getLogger("vllm_kvcodec")
 
-TRAILER_BYTES = 8
 NEAR_SCHEMES = ("file", "memory")
 DEFAULT_FAR_QUEUE_BYTES = 256 << 20
 COUNTER_NAMES = ("near_hits", "near_misses", "near_read_bytes", "near_fills", "near_fill_failures", "near_evictions",
                  "near_damaged", "near_write_failures", "far_reads", "far_read_bytes", "far_lookups",
                  "far_writes", "far_write_bytes", "far_write_failures", "far_queue_waits")
 _LOG_INTERVAL_S = 10.0
-
-
-def seal(key: str, value: memoryview | bytes) -> bytes:
-    """``value`` with its trailer: the XXH3-64 of key and value, so a near copy checks itself and its key."""
-    digest = xxhash.xxh3_64(key.encode("ascii") + b"\0")
-    digest.update(value)
-    return b"".join((value, digest.intdigest().to_bytes(TRAILER_BYTES, "little")))
-
-
-def unseal(key: str, sealed: bytes) -> bytes | None:
-    """The value inside a near copy, or None if the copy is damaged (wrong length, digest or key)."""
-    if len(sealed) < TRAILER_BYTES:
-        return None
-    view = memoryview(sealed)
-    digest = xxhash.xxh3_64(key.encode("ascii") + b"\0")
-    digest.update(view[:-TRAILER_BYTES])
-    if digest.intdigest() != int.from_bytes(view[-TRAILER_BYTES:], "little"):
-        return None
-    return view[:-TRAILER_BYTES].tobytes()
 
 
 class NearTier(Store):
@@ -352,89 +330,6 @@ class NearTier(Store):
                            "they are lost", left, self.flush_s)
         self.near.close()
         self.inner.close()
-
-
-class CheckedRange(RangedValue):
-    """A near copy read in parts: the trailer hidden, and checked over the bytes as the reader reads them.
-
-    The reader reads the head, then the rest in order (possibly overlapping);
-    the digest follows the first unread byte. When the last value byte has gone
-    by and the digest differs, the copy is dropped and the read raises, so the
-    caller fails this object (it is recomputed) and the next read goes far.
-    """
-
-    def __init__(self, inner: RangedValue, key: str, damaged: Callable[[str], None]) -> None:
-        self._inner, self._key, self._damaged = inner, key, damaged
-        self._size = inner.size - TRAILER_BYTES
-        self._digest = xxhash.xxh3_64(key.encode("ascii") + b"\0")
-        self._covered = 0
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    def read(self, offset: int, length: int) -> bytes:
-        self._check_span(offset, length)
-        data = self._inner.read(offset, length)
-        self._follow(offset, [memoryview(data)])
-        return data
-
-    def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
-        self._check_span(offset, sum(b.nbytes for b in buffers))
-        self._inner.read_into(offset, buffers)
-        self._follow(offset, buffers)
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def _check_span(self, offset: int, length: int) -> None:
-        if offset < 0 or length < 0 or offset + length > self._size:
-            raise StoreError(f"near copy of {self._key}: bytes [{offset}, {offset + length}) lie outside a "
-                             f"{self._size}-byte value")
-
-    def _follow(self, offset: int, parts: Sequence[memoryview]) -> None:
-        """Hash the bytes past the covered prefix; at the end, compare with the trailer."""
-        if offset > self._covered or self._covered == self._size:
-            return  # a gap (the reader skipped ahead): this read cannot be checked, nor can the rest
-        at = offset
-        for part in parts:
-            part = part.cast("B") if part.format != "B" or part.ndim != 1 else part
-            end = at + part.nbytes
-            if end > self._covered:
-                self._digest.update(part[self._covered - at :])
-                self._covered = end
-            at = end
-        if self._covered == self._size:
-            stored = int.from_bytes(self._inner.read(self._size, TRAILER_BYTES), "little")
-            if stored != self._digest.intdigest():
-                self._damaged(self._key)
-                raise StoreError(f"near copy of {self._key} is damaged (its trailer digest differs); dropped, "
-                                 "the next read goes to the far store")
-
-
-class BytesRange(RangedValue):
-    """A value already in memory (read from the far store), offered through the ranged interface."""
-
-    def __init__(self, blob: bytes) -> None:
-        self._blob = memoryview(blob)
-
-    @property
-    def size(self) -> int:
-        return self._blob.nbytes
-
-    def read(self, offset: int, length: int) -> bytes:
-        self._check_span(offset, length)
-        return self._blob[offset : offset + length].tobytes()
-
-    def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
-        self._check_span(offset, sum(b.nbytes for b in buffers))
-        for b in buffers:
-            b.cast("B")[:] = self._blob[offset : offset + b.nbytes]
-            offset += b.nbytes
-
-    def _check_span(self, offset: int, length: int) -> None:
-        if offset < 0 or length < 0 or offset + length > self.size:
-            raise StoreError(f"bytes [{offset}, {offset + length}) lie outside a {self.size}-byte value")
 
 
 _OPTIONS = ("near", "near_bytes", "far_queue_bytes", "far_threads", "flush_s")

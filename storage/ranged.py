@@ -10,7 +10,9 @@ of two, and no fresh buffer to fault in. A reader first reads the value's head
 A store offers this with :attr:`Store.ranged_reads` and
 :meth:`Store.open_ranged`; a store whose values arrive over a network (Redis,
 Mooncake, a link emulator in front of a file store) does not, and readers use
-``get``.
+``get``. Besides a file's values: :class:`BytesRange`, a value already in
+memory, and :class:`CheckedRange`, a *sealed* value (a near tier's copy, whose
+trailer digests its key and bytes) checked over the bytes as they are read.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import os
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TypeVar
+
+import xxhash
 
 from storage.errors import StoreError, StoreUnavailableError
 
@@ -100,3 +104,110 @@ class FileRange(RangedValue):
             return op()
         except OSError as exc:
             raise StoreUnavailableError(f"{self._name}: read failed: {exc}") from exc
+
+
+# ---- sealed values: a near tier's copies carry a trailer digest of their key and bytes ------------------------
+#: Bytes of the trailer a sealed value ends with (an XXH3-64 of its key and its bytes).
+TRAILER_BYTES = 8
+
+
+def seal(key: str, value: memoryview | bytes) -> bytes:
+    """``value`` with its trailer: the XXH3-64 of key and value, so a near copy checks itself and its key."""
+    digest = xxhash.xxh3_64(key.encode("ascii") + b"\0")
+    digest.update(value)
+    return b"".join((value, digest.intdigest().to_bytes(TRAILER_BYTES, "little")))
+
+
+def unseal(key: str, sealed: bytes) -> bytes | None:
+    """The value inside a near copy, or None if the copy is damaged (wrong length, digest or key)."""
+    if len(sealed) < TRAILER_BYTES:
+        return None
+    view = memoryview(sealed)
+    digest = xxhash.xxh3_64(key.encode("ascii") + b"\0")
+    digest.update(view[:-TRAILER_BYTES])
+    if digest.intdigest() != int.from_bytes(view[-TRAILER_BYTES:], "little"):
+        return None
+    return view[:-TRAILER_BYTES].tobytes()
+
+
+class CheckedRange(RangedValue):
+    """A near copy read in parts: the trailer hidden, and checked over the bytes as the reader reads them.
+
+    The reader reads the head, then the rest in order (possibly overlapping);
+    the digest follows the first unread byte. When the last value byte has gone
+    by and the digest differs, the copy is dropped and the read raises, so the
+    caller fails this object (it is recomputed) and the next read goes far.
+    """
+
+    def __init__(self, inner: RangedValue, key: str, damaged: Callable[[str], None]) -> None:
+        self._inner, self._key, self._damaged = inner, key, damaged
+        self._size = inner.size - TRAILER_BYTES
+        self._digest = xxhash.xxh3_64(key.encode("ascii") + b"\0")
+        self._covered = 0
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def read(self, offset: int, length: int) -> bytes:
+        self._check_span(offset, length)
+        data = self._inner.read(offset, length)
+        self._follow(offset, [memoryview(data)])
+        return data
+
+    def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        self._check_span(offset, sum(b.nbytes for b in buffers))
+        self._inner.read_into(offset, buffers)
+        self._follow(offset, buffers)
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def _check_span(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self._size:
+            raise StoreError(f"near copy of {self._key}: bytes [{offset}, {offset + length}) lie outside a "
+                             f"{self._size}-byte value")
+
+    def _follow(self, offset: int, parts: Sequence[memoryview]) -> None:
+        """Hash the bytes past the covered prefix; at the end, compare with the trailer."""
+        if offset > self._covered or self._covered == self._size:
+            return  # a gap (the reader skipped ahead): this read cannot be checked, nor can the rest
+        at = offset
+        for part in parts:
+            part = part.cast("B") if part.format != "B" or part.ndim != 1 else part
+            end = at + part.nbytes
+            if end > self._covered:
+                self._digest.update(part[self._covered - at :])
+                self._covered = end
+            at = end
+        if self._covered == self._size:
+            stored = int.from_bytes(self._inner.read(self._size, TRAILER_BYTES), "little")
+            if stored != self._digest.intdigest():
+                self._damaged(self._key)
+                raise StoreError(f"near copy of {self._key} is damaged (its trailer digest differs); dropped, "
+                                 "the next read goes to the far store")
+
+
+class BytesRange(RangedValue):
+    """A value already in memory (read from the far store), offered through the ranged interface."""
+
+    def __init__(self, blob: bytes) -> None:
+        self._blob = memoryview(blob)
+
+    @property
+    def size(self) -> int:
+        return self._blob.nbytes
+
+    def read(self, offset: int, length: int) -> bytes:
+        self._check_span(offset, length)
+        return self._blob[offset : offset + length].tobytes()
+
+    def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        self._check_span(offset, sum(b.nbytes for b in buffers))
+        for b in buffers:
+            b.cast("B")[:] = self._blob[offset : offset + b.nbytes]
+            offset += b.nbytes
+
+    def _check_span(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise StoreError(f"bytes [{offset}, {offset + length}) lie outside a {self.size}-byte value")

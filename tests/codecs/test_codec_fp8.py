@@ -16,7 +16,7 @@ import torch
 
 from vllm_kvcodec.codecs import get_codec
 from vllm_kvcodec.codecs.policy import FLOAT8_DEFAULT, auto_candidates, codec_for, default_codec_for
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import ChunkFormatError, UnsupportedDTypeError
 from vllm_kvcodec.format import decode_chunk, encode_chunk, read_header
 from vllm_kvcodec.tools.fp8_quant import quantize

@@ -11,7 +11,7 @@ from vllm_kvcodec.codecs.policy import (
     FALLBACK_CODEC, LossyCodecError, check_spec, codec_for, default_codec_for, lossless_codec,
 )
 from vllm_kvcodec.codecs.raw import RawCodec
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import ConfigError, UnsupportedDTypeError
 from vllm_kvcodec.format import encode_chunk
 

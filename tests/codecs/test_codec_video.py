@@ -25,7 +25,7 @@ from vllm_kvcodec.codecs.video_layout import (  # noqa: E402
     geometry,
     to_planes,
 )
-from vllm_kvcodec.dtypes import DType, tensor_to_bits  # noqa: E402
+from vllm_kvcodec.codecs.dtypes import DType, tensor_to_bits  # noqa: E402
 from vllm_kvcodec.errors import ChunkFormatError, CodecError, ConfigError, UnsupportedDTypeError  # noqa: E402
 from vllm_kvcodec.format import decode_chunk, encode_chunk, read_header  # noqa: E402
 
@@ -476,7 +476,7 @@ def test_encoder_auto_is_x265_without_nvenc_and_stores_nothing_of_it(real_chunk:
 def test_nvenc_stream_decodes_with_libav_and_nvdec(real_chunk: torch.Tensor) -> None:
     """Where the GPU has NVENC: its stream is decoded by the CPU decoder (libav, inside encode's verify and here)
     and by NVDEC, bit-exactly; x265's stream by NVDEC too."""
-    from vllm_kvcodec.device_chunks import decode_video_chunk_nvdec
+    from vllm_kvcodec.format.device_chunks import decode_video_chunk_nvdec
     from vllm_kvcodec.gpu import nvcodec
 
     ok, reason = nvcodec.nvenc_usable()

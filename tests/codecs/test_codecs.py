@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.support.adversarial import bits_view, every_exponent, random_bits, special_values
 from vllm_kvcodec.codecs import codec_ids, get_codec
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import ConfigError, UnsupportedDTypeError
 from vllm_kvcodec.format import decode_chunk, encode_chunk
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from tests.support.adversarial import bits_view, random_bits
 from vllm_kvcodec.codecs import get_codec
 from vllm_kvcodec.codecs.into_pages import PageExtents
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import CodecError, KVCodecError
 from vllm_kvcodec.format import decode_payload_into, encode_chunk, read_header
 

@@ -15,7 +15,7 @@ def test_defaults_are_lossless_and_need_no_server() -> None:
     config = ConnectorConfig.from_extra_config(None)
     assert config.store.startswith("file://")
     assert config.codec is None and config.chunk_size == 256 and config.load_mode == "sync"
-    from vllm_kvcodec.dtypes import DType
+    from vllm_kvcodec.codecs.dtypes import DType
     from vllm_kvcodec.codecs.policy import default_codec_for
 
     assert default_codec_for(DType.BFLOAT16) == "rans" and default_codec_for(DType.FLOAT16) == "zstd"
@@ -116,7 +116,7 @@ def test_layers_per_object_follow_how_loads_wait(extra: dict, on_cpu: bool, per:
 
 
 def _namespace(per: int):
-    from vllm_kvcodec.keys import Namespace
+    from vllm_kvcodec.keys.chain import Namespace
 
     return Namespace(model_id="m", dtype="bfloat16", num_layers=30, num_kv_heads=3, head_dim=64, layout_id="pages-bs16-v1",
                      tp_size=1, chunk_size=256, layers_per_object=per)

@@ -144,8 +144,8 @@ def test_values_returned_for_other_keys_give_the_right_tokens(prompts, reference
     """A store that answers with other prompts' values (swapped objects, swapped refs, a ref bound to its own key
     but naming another prompt's object): each is a refused or failed load, recomputed, and the tokens are the
     reference's. Chunk 256 over blocks of 128: each prefix's last 128 tokens are a tail found through a ref."""
-    from vllm_kvcodec.block_refs import Ref, encode_ref, ref_key
-    from vllm_kvcodec.keys import chunk_hashes, object_key, tail_hash
+    from vllm_kvcodec.keys.block_refs import Ref, encode_ref, ref_key
+    from vllm_kvcodec.keys.chain import chunk_hashes, object_key, tail_hash
 
     extra = {"chunk_size": 256, "model_id": "smollm2-trust", "prefetch_bytes": 0}
     e = engines.get(connected(codec="rans", dtype="float32", prefix_caching=False, **extra))

@@ -20,7 +20,7 @@ import pytest
 from storage import open_store
 from tests.support.engine import BLOCK, assert_paged_kv_equals_stored, greedy
 from tests.support.engine_pool import SharedEngine, connected, plain
-from vllm_kvcodec.keys import chunk_hashes, object_key
+from vllm_kvcodec.keys.chain import chunk_hashes, object_key
 
 pytestmark = pytest.mark.engine
 

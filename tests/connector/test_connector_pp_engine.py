@@ -4,7 +4,7 @@ vLLM splits SmolLM2's 30 layers into two stages of 15, one worker process
 each (``distributed_executor_backend="mp"``), each with its own worker-side
 connector that registers, saves and loads only its own stage's layers: stage
 0 writes layer group 0 of each chunk, stage 1 group 1 (groups never straddle
-a stage and are numbered across stages, see keys.py); the scheduler half
+a stage and are numbered across stages, see keys/chain.py); the scheduler half
 (this process) keys a chunk as found only when both stages' objects are
 stored. What a stage holds is read in that stage's process through
 ``LLM.collective_rpc``.
@@ -95,7 +95,7 @@ def loader(saved, llm):
 
 def test_each_stage_saves_its_own_layers(saved, text, url) -> None:
     from storage import open_store
-    from vllm_kvcodec.keys import chunk_hashes, object_key
+    from vllm_kvcodec.keys.chain import chunk_hashes, object_key
 
     stages = saved["workers"]
     assert [s["first_group"] for s in stages] == [0, 1] and [s["layers"] for s in stages] == [15, 15]

@@ -23,7 +23,7 @@ def scheduler_stats() -> dict:
 
 def test_corrupted_object_is_recomputed(ids, recompute_tokens, engines) -> None:
     from storage import open_store
-    from vllm_kvcodec.block_refs import is_ref_key
+    from vllm_kvcodec.keys.block_refs import is_ref_key
 
     e = engines.get(connected(codec="splitzip", chunk_size=128, dtype="float32"))
     greedy(e.llm, ids)

@@ -92,7 +92,7 @@ def loader(saved, llm):
 
 def test_each_rank_saves_its_own_shard_of_each_layer_group(saved, text, url) -> None:
     from storage import open_store
-    from vllm_kvcodec.keys import chunk_hashes, object_key
+    from vllm_kvcodec.keys.chain import chunk_hashes, object_key
 
     ranks = saved["workers"]
     assert [r["tp_rank"] for r in ranks] == list(range(TP))

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from storage import open_store
-from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
-from vllm_kvcodec.keys import Namespace, ObjectAddresses
+from vllm_kvcodec.plans.loads import ChunkLoad, LoadSpec
+from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses
 from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.paged import layout_for
-from vllm_kvcodec.spans import Span
+from vllm_kvcodec.plans.spans import Span
 from vllm_kvcodec.stats import ConnectorStats
 
 RTT_S = 1.0  # far longer than the load's deadline and than any pause between submit and the first check

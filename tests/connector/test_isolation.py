@@ -17,8 +17,8 @@ import pytest
 from tests.support.engine import greedy
 from tests.support.engine_pool import connected
 from vllm_kvcodec.connector.config import ConnectorConfig
-from vllm_kvcodec.identity import PLAIN, PromptIdentity, model_identity, weights_fingerprint
-from vllm_kvcodec.keys import Namespace, chunk_hashes
+from vllm_kvcodec.keys.identity import PLAIN, PromptIdentity, model_identity, weights_fingerprint
+from vllm_kvcodec.keys.chain import Namespace, chunk_hashes
 
 BASE = Namespace("m#1", "bfloat16", 30, 3, 64, "canonical-v1", 1, 128, 5)
 #: BASE's digest. Pinned: a change of it orphans every object of every store (SHA-256 keys changed it once, on purpose).
@@ -55,7 +55,7 @@ def test_keys_are_sha256_unless_xxh3_is_asked_for() -> None:
 
     import numpy as np
 
-    from vllm_kvcodec.keys import tail_hash
+    from vllm_kvcodec.keys.chain import tail_hash
 
     hashes = chunk_hashes(BASE, TOKENS, 4)
     assert BASE.hash_algo == "sha256" and all(len(h) == 64 for h in hashes)
@@ -129,7 +129,7 @@ def test_media_changes_its_chunk_and_every_later_one_only() -> None:
 
 def test_a_prompt_tail_is_keyed_by_its_chain_context_and_length() -> None:
     """A tail is a leaf of the chain: never a chunk's key, another for every length, context and preceding chunk."""
-    from vllm_kvcodec.keys import tail_hash
+    from vllm_kvcodec.keys.chain import tail_hash
 
     hashes = chunk_hashes(BASE, TOKENS, 3)
     tails = {t: tail_hash(BASE, TOKENS, hashes[:2], t) for t in (16, 32, 127)}
@@ -201,7 +201,7 @@ def test_an_unpinned_hub_model_is_keyed_by_the_commit_its_revision_names(tmp_pat
 def _namespace(**engine_args) -> Namespace:
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_kvcodec.connector.facade import build_namespace
+    from vllm_kvcodec.connector.engine_namespace import build_namespace
     from vllm_kvcodec.tools.smollm2 import model_dir
 
     args = {"model": str(model_dir()), "dtype": "bfloat16", "block_size": 128, "enforce_eager": True, "max_model_len": 2048}
@@ -218,7 +218,7 @@ def test_real_engine_configs_get_separate_namespaces() -> None:
     assert _namespace(dtype="float16").digest != bf16.digest
     assert _namespace(connector={"salt": "blue"}).digest != bf16.digest
     assert '"platform": "cpu"' in bf16.compute and '"isa"' in bf16.compute
-    assert _namespace(enforce_eager=False).compute != bf16.compute  # compiled kernels: other bits (identity.py)
+    assert _namespace(enforce_eager=False).compute != bf16.compute  # compiled kernels: other bits (keys/identity.py)
     portable = _namespace(connector={"share_across_platforms": True})
     assert portable.compute == "" and portable.digest != bf16.digest
 
@@ -257,7 +257,7 @@ def test_a_chosen_block_size_is_keyed_where_it_can_change_the_default_backend() 
     here: its rule is checked on the configurations vLLM makes on this host.)"""
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_kvcodec.identity import backend_block_size
+    from vllm_kvcodec.keys.identity import backend_block_size
     from vllm_kvcodec.tools.smollm2 import model_dir
 
     def config(**kw):
@@ -327,7 +327,7 @@ def test_lora_adapters_of_one_name_from_two_paths_never_share(tmp_path: Path) ->
     weights (another version deployed there, an adapter rewritten in place): keyed by its files too."""
     from vllm.lora.request import LoRARequest
 
-    from vllm_kvcodec.identity import adapter_files, lora_identity
+    from vllm_kvcodec.keys.identity import adapter_files, lora_identity
 
     p1, p2 = _adapter(tmp_path / "v1", 1), _adapter(tmp_path / "v2", 1)
     a1, a2 = LoRARequest("a", 1, str(p1)), LoRARequest("a", 1, str(p2))
@@ -349,7 +349,7 @@ def test_a_vllm_request_with_a_lora_adapter_is_keyed_by_its_path(tmp_path: Path)
     from vllm.lora.request import LoRARequest
     from vllm.v1.request import Request
 
-    from vllm_kvcodec.identity import adapter_files, prompt_identity
+    from vllm_kvcodec.keys.identity import adapter_files, prompt_identity
 
     def request(lora: LoRARequest | None) -> Request:
         return Request("r", TOKENS, SamplingParams(max_tokens=1), None, 0, lora_request=lora)

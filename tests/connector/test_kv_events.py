@@ -179,7 +179,7 @@ def test_a_save_that_failed_is_not_announced_and_its_retry_is(tmp_path, kv_event
 def damage_when_loaded(url: str, e: Engine, tokens: list[int], chunk: int) -> dict[str, Any]:
     """A hook: when a step first plans a load, flip a bit in the middle of ``chunk``'s objects (after the lookup)."""
     from storage import open_store
-    from vllm_kvcodec.keys import chunk_hashes, object_key
+    from vllm_kvcodec.keys.chain import chunk_hashes, object_key
 
     def hook(engine: Engine, out: Any) -> None:
         if state["done"] or not out.kv_connector_metadata.loads:

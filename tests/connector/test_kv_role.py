@@ -15,7 +15,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 def stored_keys(url: str) -> set[str]:
-    """The store's chunk objects (not their block refs, see block_refs.py: they come and go with them)."""
+    """The store's chunk objects (not their block refs, see keys/block_refs.py: they come and go with them)."""
     with open_store(url) as s:
         return {k for k in s.keys() if not k.endswith("/ref")}
 

@@ -97,7 +97,7 @@ def test_bytes_fetched_ahead_are_checked_at_load_time(tmp_path) -> None:
 
 def test_no_prefetch_for_a_store_on_this_host(tmp_path) -> None:
     e = Engine(tmp_path, f"file://{tmp_path / 'store'}")
-    assert e.worker.worker.prefetcher is None and not e.connector.scheduler._prefetches
+    assert e.worker.worker.prefetcher is None and not e.connector.scheduler.loads.prefetches
     e2 = Engine(tmp_path, f"link+file://{tmp_path / 'store'}?gbps=1", prefetch_bytes=0)
     assert e2.worker.worker.prefetcher is None
 
@@ -107,7 +107,7 @@ def test_a_key_claimed_twice_before_it_is_taken_keeps_no_budget(tmp_path) -> Non
     fetched ahead again and a second load claims that copy. Each take gets one copy and frees its budget (the
     second claim used to replace the first, whose bytes then stayed reserved for good)."""
     from storage import open_store
-    from vllm_kvcodec.connector.prefetch import Prefetcher
+    from vllm_kvcodec.load.prefetch import Prefetcher
     from vllm_kvcodec.stats import ConnectorStats
 
     with open_store(f"file://{tmp_path / 'store'}") as store:

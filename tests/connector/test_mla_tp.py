@@ -25,7 +25,7 @@ import pytest
 from tests.support import parallel_configs
 from tests.support.parallel_configs import put, scheduler_connector
 from tests.support.parallel_engine import one_omp_thread
-from vllm_kvcodec.keys import Namespace, ObjectAddresses, chunk_hashes, chunk_object_keys, object_key
+from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses, chunk_hashes, chunk_object_keys, object_key
 
 LATENT = Namespace("dsv2#x", "bfloat16", 2, 1, 576, "pages-bs16-v1", 2, 256, 2, kv_replicated=True)
 TOKENS = list(range(1000, 1000 + 520))
@@ -133,7 +133,7 @@ def test_tp2_latent_is_saved_once_by_rank_0_and_loaded_bit_exactly_by_every_rank
     keys = [object_key(ns, h, 0, 0) for h in chunk_hashes(ns, ids, 2)]
     assert all(k.endswith("/allg000") for k in keys)
     from storage import open_store
-    from vllm_kvcodec.block_refs import is_ref_key
+    from vllm_kvcodec.keys.block_refs import is_ref_key
 
     with open_store(url) as store:  # chunk objects; their block refs (block_hits) are rank 0's too, one set
         objects = [k for k in store.keys() if not is_ref_key(k)]

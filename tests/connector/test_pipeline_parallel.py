@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.parallel_configs import matched, put, scheduler_connector
 from vllm_kvcodec.errors import ConfigError
-from vllm_kvcodec.keys import Namespace, ObjectAddresses, chunk_hashes, chunk_object_keys, object_key
+from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses, chunk_hashes, chunk_object_keys, object_key
 
 TOKENS = list(range(2000, 2000 + 520))
 FIVE = Namespace("llama#x", "bfloat16", 5, 2, 32, "pages-bs16-v1", 1, 256, 2, pp_layers="3,2")
@@ -107,7 +107,7 @@ def test_every_stages_workers_must_key_the_schedulers_namespace(tmp_path) -> Non
 def test_kv_events_wait_for_every_saving_worker() -> None:
     """A chunk is announced once every worker that writes it reported: each stage's ranks, or each stage's rank 0
     for a replicated latent (its other ranks only load, and report no save)."""
-    from vllm_kvcodec.connector.facade import saving_workers
+    from vllm_kvcodec.connector.parallel_ranks import saving_workers
 
     assert saving_workers(FIVE) == 2
     assert saving_workers(dataclasses.replace(FIVE, tp_size=2)) == 4

@@ -19,13 +19,13 @@ import torch
 from storage import open_store
 from storage.outage import OutageGuard
 from tests.support.adversarial import torch_random_bits
-from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
+from vllm_kvcodec.plans.loads import ChunkLoad, LoadSpec
 from vllm_kvcodec.format import encode_chunk
-from vllm_kvcodec.keys import Namespace, ObjectAddresses
+from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses
 from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.paged import CpuAttnAmxLayout, CpuAttnVecLayout, Geometry
 from vllm_kvcodec.paged.objects import PageObjects
-from vllm_kvcodec.spans import Span
+from vllm_kvcodec.plans.spans import Span
 from vllm_kvcodec.stats import ConnectorStats
 
 L, H, D, BS, NB, CHUNK = 4, 2, 32, 32, 40, 128  # 4 blocks a chunk, 2 layers an object

@@ -67,7 +67,7 @@ def test_a_chunk_whose_load_failed_is_offered_again_after_the_reset(tmp_path, st
 
 
 def object_keys(engine: Engine, tokens: list[int], chunk: int) -> list[str]:
-    from vllm_kvcodec.keys import chunk_hashes, object_key
+    from vllm_kvcodec.keys.chain import chunk_hashes, object_key
 
     ns = engine.connector.scheduler.namespace
     h = chunk_hashes(ns, tokens, chunk + 1)[chunk]

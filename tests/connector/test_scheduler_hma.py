@@ -74,18 +74,18 @@ def test_stored_prefix_loads_each_groups_blocks(tmp_path, store, windows, pipeli
 @KINDS
 def test_window_kv_is_really_checked(tmp_path, store, windows, monkeypatch) -> None:
     """Negative control: a load that skips the window groups' blocks is caught (its next token reads wrong KV)."""
-    from vllm_kvcodec.connector import scheduler_half
-    from vllm_kvcodec.spans import Span
+    from vllm_kvcodec.connector import load_planner
+    from vllm_kvcodec.plans.spans import Span
 
     p = prompt(300)
     stored(tmp_path, store, p, windows)
-    real = scheduler_half.SchedulerHalf._span
+    real = load_planner._span
 
     def full_only(table, block_size, a, b, chunk_start):
         span = real(table, block_size, a, b, chunk_start)
         return span if span.first_token + chunk_start == a else Span(b - chunk_start, [])
 
-    monkeypatch.setattr(scheduler_half.SchedulerHalf, "_span", staticmethod(full_only))
+    monkeypatch.setattr(load_planner, "_span", full_only)
     e = make(tmp_path, store, windows)
     e.add("b", p[:290] + prompt(30, 1), max_tokens=2)
     with pytest.raises(Violation, match="leaves allocated blocks|wrong KV"):
@@ -141,15 +141,15 @@ def test_a_failed_load_past_skipped_window_chunks_evicts_from_its_own_chunk(tmp_
 
 def test_a_save_retry_after_the_window_moved_on_is_dropped(tmp_path, store) -> None:
     """A save that did not land is planned again only while a window group still holds its blocks."""
-    from vllm_kvcodec.keys import chunk_hashes
-    from vllm_kvcodec.outcomes import SaveOutcome
+    from vllm_kvcodec.keys.chain import chunk_hashes
+    from vllm_kvcodec.plans.outcomes import SaveOutcome
 
     p = prompt(200)
 
     def lose_chunk0(engine: Engine, out: Any) -> None:
         if len(engine.steps) == 3:  # chunk 0 was saved in step 0; its blocks are long out of the window
             h = chunk_hashes(engine.connector.scheduler.namespace, p, 1)[0]
-            engine.connector.scheduler._save_settled(SaveOutcome("r", h, landed=False))
+            engine.connector.scheduler.saves.settled(SaveOutcome("r", h, landed=False))
 
     for windows, dropped in ((GEMMA, 1), ([None, None], 0)):
         e = make(tmp_path, f"{store}-{dropped}", windows, max_batched=32, hooks={"before_forward": lose_chunk0})

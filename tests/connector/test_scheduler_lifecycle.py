@@ -47,7 +47,7 @@ def stored(tmp_path: Path, store: str, tokens: list[int], **kw: Any) -> None:
 
 
 def object_keys(engine: Engine, tokens: list[int], chunk: int) -> list[str]:
-    from vllm_kvcodec.keys import chunk_hashes, object_key
+    from vllm_kvcodec.keys.chain import chunk_hashes, object_key
 
     ns = engine.connector.scheduler.namespace
     h = chunk_hashes(ns, tokens, chunk + 1)[chunk]
@@ -418,7 +418,7 @@ def test_saves_dropped_for_room_are_planned_again_once_the_queue_drains(tmp_path
     e.add("r", p, max_tokens=3000)  # decodes on while the queue drains
     with open_store(url) as s:
         e.run(max_steps=3000, until=lambda e: all(s.exists_many(keys)))
-    assert max(e.connector.scheduler._requests["r"].save_attempts.values()) == 1  # each landed on its one attempt
+    assert max(e.connector.scheduler.requests["r"].save_attempts.values()) == 1  # each landed on its one attempt
     e.abort("r")
     e.run()
     assert e.stats()["saves_dropped"] >= 8
@@ -469,8 +469,8 @@ def test_a_load_only_instance_writes_no_probe(tmp_path, store) -> None:
 
 def test_the_harness_catches_a_poisoned_local_hit(tmp_path, store, monkeypatch) -> None:
     """Without the eviction, the abort-before-recompute case reads KV that was never written."""
-    from vllm_kvcodec.connector.scheduler_half import SchedulerHalf
+    from vllm_kvcodec.connector.load_planner import LoadPlanner
 
-    monkeypatch.setattr(SchedulerHalf, "_evict_from", lambda self, block_ids, first_token: None)
+    monkeypatch.setattr(LoadPlanner, "_evict_from", lambda self, block_ids, first_token: None)
     with pytest.raises(Violation, match="wrong KV"):
         abort_before_recompute(tmp_path, store, False, check_cache=False)

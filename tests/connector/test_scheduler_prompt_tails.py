@@ -133,7 +133,7 @@ def test_a_failed_tail_is_recomputed_and_saved_anew(tmp_path, store, how, load_m
 
 
 def _keys(engine: Engine, chunk_hash: str) -> list[str]:
-    from vllm_kvcodec.keys import object_key
+    from vllm_kvcodec.keys.chain import object_key
 
     ns = engine.connector.scheduler.namespace
     return [object_key(ns, chunk_hash, 0, g) for g in range(len(engine.worker.worker.groups))]

@@ -38,8 +38,8 @@ def end(e: Engine, req_id: str) -> None:
 def test_chunks_a_later_image_touches_are_keyed_with_it(tmp_path, store) -> None:
     """Turn 2's chunks are saved under keys carrying its image's hash (the harness checks every save's key against
     the request's tokens and media as they are then)."""
-    from vllm_kvcodec.identity import prompt_identity
-    from vllm_kvcodec.keys import chunk_hashes, object_key
+    from vllm_kvcodec.keys.identity import prompt_identity
+    from vllm_kvcodec.keys.chain import chunk_hashes, object_key
 
     e = Engine(tmp_path, store)
     session(e, "s1", "img-a")

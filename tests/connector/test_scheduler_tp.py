@@ -37,7 +37,7 @@ def stored(tmp_path: Path, store: str, tokens: list[int]) -> None:
 
 def rank_keys(engine: Engine, tokens: list[int], chunk: int, rank: int) -> list[str]:
     """Rank ``rank``'s objects (every layer group) of chunk ``chunk`` of ``tokens``."""
-    from vllm_kvcodec.keys import chunk_hashes, object_key
+    from vllm_kvcodec.keys.chain import chunk_hashes, object_key
 
     ns = engine.connector.scheduler.namespace
     h = chunk_hashes(ns, tokens, chunk + 1)[chunk]
@@ -108,11 +108,11 @@ def test_a_rank_failing_a_step_after_the_other_finished_counts_once_and_keeps_sa
             break
     else:
         raise AssertionError("rank 0 never reported its load")
-    chunk_2 = scheduler._requests["r"].hashes[2]
+    chunk_2 = scheduler.requests["r"].hashes[2]
     assert step.rank_reports[0].loads["r"].failed == ([chunk_2] if 0 in failing else [])
     assert e.scheduler.requests["r"].status.name == "WAITING_FOR_REMOTE_KVS", "vLLM waits for rank 1 too"
     assert scheduler.ledger.inflight_requests() == ["r"], "settled before rank 1 reported"
-    assert scheduler._requests["r"].failures_seen == 0
+    assert scheduler.requests["r"].failures_seen == 0
 
     gate.set()
     assert e.ranks[1].connector.worker._async_jobs["r"].done.wait(60)
@@ -120,8 +120,8 @@ def test_a_rank_failing_a_step_after_the_other_finished_counts_once_and_keeps_sa
     assert step.rank_reports[1].loads["r"].failed == [chunk_2]
     assert step.finished_recving == {"r"}, "vLLM's aggregator: both ranks have reported"
     assert not scheduler.ledger.inflight_requests()
-    assert scheduler._requests["r"].failures_seen == 1, "the failure is counted against its request, once"
-    assert scheduler._requests["r"].next_save == 2, "its chunks from the failed one on are saved again"
+    assert scheduler.requests["r"].failures_seen == 1, "the failure is counted against its request, once"
+    assert scheduler.requests["r"].next_save == 2, "its chunks from the failed one on are saved again"
 
     e.run()
     e.flush()
@@ -140,7 +140,7 @@ def test_a_rank_failing_a_step_after_the_other_finished_counts_once_and_keeps_sa
 def loadable(engine: Engine, tokens: list[int], chunk: int, tail: int = 0) -> bool:
     """Whether a lookup would find chunk ``chunk`` of ``tokens`` (or, ``tail``, the tail of that many tokens after
     it): every object of it, every rank's (one for a replicated cache), is stored."""
-    from vllm_kvcodec.keys import chunk_hashes, chunk_object_keys, tail_hash
+    from vllm_kvcodec.keys.chain import chunk_hashes, chunk_object_keys, tail_hash
 
     ns = engine.connector.scheduler.namespace
     hashes = chunk_hashes(ns, tokens, chunk + (0 if tail else 1))
@@ -167,7 +167,7 @@ def test_no_save_of_a_step_in_which_another_ranks_load_failed_becomes_loadable(t
     e.run()
     e.flush()
     ns = e.connector.scheduler.namespace
-    from vllm_kvcodec.keys import chunk_hashes, object_key
+    from vllm_kvcodec.keys.chain import chunk_hashes, object_key
 
     chunk_2 = chunk_hashes(ns, p, 3)[2]
     for g in range(len(ns.layer_groups())):

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.scheduler_harness import Engine, loaded_tokens, prompt
-from vllm_kvcodec.block_refs import Ref, encode_ref, ref_key
+from vllm_kvcodec.keys.block_refs import Ref, encode_ref, ref_key
 from vllm_kvcodec.format import decode_payload, encode_chunk, read_header
-from vllm_kvcodec.keys import chunk_hashes, object_key, tail_hash
+from vllm_kvcodec.keys.chain import chunk_hashes, object_key, tail_hash
 
 #: Every scenario with lookups inline and on the lookup thread (tests/connector/conftest.py).
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.usefixtures("lookup")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from vllm_kvcodec.thread_pools import started_pool
+from vllm_kvcodec.runtime.threads import started_pool
 
 
 def _named(prefix: str) -> list[threading.Thread]:
@@ -27,8 +27,8 @@ def test_the_fetcher_and_saver_start_their_threads_when_built(tmp_path) -> None:
     import torch
 
     from storage import open_store
-    from vllm_kvcodec.codecs.choice import CodecChooser
-    from vllm_kvcodec.keys import Namespace, ObjectAddresses
+    from vllm_kvcodec.save.codec_choice import CodecChooser
+    from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses
     from vllm_kvcodec.load.fetcher import Fetcher
     from vllm_kvcodec.paged import layout_for
     from vllm_kvcodec.save.saver import Saver

@@ -7,7 +7,7 @@ import time
 
 from vllm_kvcodec.connector.load_ledger import LoadLedger
 from vllm_kvcodec.connector.metadata import KVCodecWorkerReport
-from vllm_kvcodec.outcomes import LoadOutcome, SaveOutcome
+from vllm_kvcodec.plans.outcomes import LoadOutcome, SaveOutcome
 
 
 def test_ranks_reports_combine_to_the_worst_case() -> None:

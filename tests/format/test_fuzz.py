@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_kvcodec.errors import ChunkFormatError
-from vllm_kvcodec.format import _FIXED, MAGIC, decode_chunk, encode_chunk
+from vllm_kvcodec.format.container import _FIXED, MAGIC, decode_chunk, encode_chunk
 from vllm_kvcodec.tools.fuzzing import HOSTILE_CONFIGS, Case, Target, make_target, reseal, with_config
 
 FAST_CODECS = ["codec-raw", "codec-zstd", "codec-splitzip", "codec-rans", "codec-rans-axis1"]
@@ -129,7 +129,7 @@ def test_tracemalloc_sees_the_decoded_output(real_chunks) -> None:
 
 @pytest.mark.parametrize("config", HOSTILE_CONFIGS, ids=range(len(HOSTILE_CONFIGS)))
 def test_hostile_codec_configs_are_format_errors(real_chunks, config: bytes) -> None:
-    """Regression: a deeply nested config JSON escaped as RecursionError before format.py caught it."""
+    """Regression: a deeply nested config JSON escaped as RecursionError before format/container.py caught it."""
     blob = encode_chunk(real_chunks[0][:1, :, :8], "raw")
     with pytest.raises(ChunkFormatError):
         decode_chunk(reseal(with_config(blob, config)))

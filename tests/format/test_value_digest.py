@@ -42,7 +42,7 @@ def test_chunks_without_one_are_unchanged(small_kv) -> None:
 
 def test_values_that_differ_from_the_digest_are_rejected(small_kv) -> None:
     """A payload that decodes, under a valid trailer, to values other than those digested: rejected."""
-    from vllm_kvcodec.dtypes import DType
+    from vllm_kvcodec.codecs.dtypes import DType
 
     bits = bits_view(small_kv).numpy().copy()
     digest = ValueDigest(1024, fmt.value_digest(bits.tobytes(), 1024))

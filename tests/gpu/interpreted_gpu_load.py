@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from storage import open_store
-from vllm_kvcodec.codecs.choice import CodecChooser
+from vllm_kvcodec.save.codec_choice import CodecChooser
 from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.format import decode_chunk, encode_chunk
 from vllm_kvcodec.tools import gpu_load_check as lc
@@ -359,7 +359,7 @@ def test_a_load_first_waits_for_the_save_gathers_that_read_its_blocks(real_kv_1k
 
 # ---- video objects: NVDEC's place in the load path (libav standing in for the decoder session) -------------
 
-from vllm_kvcodec.device_chunks import parse_video_payload  # noqa: E402
+from vllm_kvcodec.format.device_chunks import parse_video_payload  # noqa: E402
 from vllm_kvcodec.format import build_chunk, read_header  # noqa: E402
 from vllm_kvcodec.gpu.nvdec_join_triton import READBACK_BYTES, exponent_digest_into, finish_xxh3, join_exponents  # noqa: E402
 from vllm_kvcodec.gpu.nvdec_sessions import NvdecSessions  # noqa: E402
@@ -631,7 +631,7 @@ def test_warm_up_compiles_without_changing_the_caches(real_kv_1k) -> None:
 def test_slots_are_checked_against_their_own_groups_cache() -> None:
     """Two KV cache groups with different block counts: a slot valid in group 0 is out of range in group 1."""
     from vllm_kvcodec.load.cuda_placement import CudaPlacement
-    from vllm_kvcodec.spans import Span
+    from vllm_kvcodec.plans.spans import Span
 
     geo = Geometry(2, 16, 8, torch.bfloat16)
     big = torch.zeros(10, 2, 8, 32, dtype=torch.bfloat16)

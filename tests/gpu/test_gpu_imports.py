@@ -4,7 +4,7 @@
 imports the codecs; a ``gpu`` module that read chunk headers (the NVDEC chunk
 decoder did) or imported a codec closed a circle that lazy imports only hid.
 What reads the chunk format for the device lives above both
-(:mod:`vllm_kvcodec.device_chunks`). Checked statically (every import statement
+(:mod:`vllm_kvcodec.format.device_chunks`). Checked statically (every import statement
 and ``import_module`` string in the package's source, function-level ones
 included) and at run time (importing every gpu module loads neither).
 """
@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "vllm_kvcodec" / "gpu"
-FORBIDDEN = ("vllm_kvcodec.format", "vllm_kvcodec.codecs", "vllm_kvcodec.device_chunks")
+FORBIDDEN = ("vllm_kvcodec.format", "vllm_kvcodec.codecs", "vllm_kvcodec.format.device_chunks")
 
 
 def _imported(tree: ast.AST) -> list[str]:
@@ -38,7 +38,7 @@ def _imported(tree: ast.AST) -> list[str]:
 @pytest.mark.parametrize("path", sorted(GPU.glob("*.py")), ids=lambda p: p.name)
 def test_gpu_modules_import_no_chunk_format_and_no_codec(path: Path) -> None:
     bad = [n for n in _imported(ast.parse(path.read_text())) if n.startswith(FORBIDDEN)]
-    assert not bad, f"{path.name} imports {bad}: move what reads chunks to vllm_kvcodec/device_chunks.py"
+    assert not bad, f"{path.name} imports {bad}: move what reads chunks to vllm_kvcodec/format/device_chunks.py"
 
 
 def test_importing_every_gpu_module_loads_neither() -> None:

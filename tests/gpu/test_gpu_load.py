@@ -237,7 +237,7 @@ def test_worker_picks_the_cuda_fetcher_for_cuda_caches() -> None:
 @cuda_kernels
 def test_cuda_save_gather_reaches_the_store_bit_exact(real_kv_1k) -> None:
     from storage import open_store
-    from vllm_kvcodec.codecs.choice import CodecChooser
+    from vllm_kvcodec.save.codec_choice import CodecChooser
     from vllm_kvcodec.format import decode_chunk
     from vllm_kvcodec.tools import gpu_load_check as lc
     from vllm_kvcodec.load.cuda_placement import CudaFetcher
@@ -279,7 +279,7 @@ def test_a_load_into_blocks_a_tail_gather_still_reads_lands_after_it(real_kv_1k)
     kernel; a load of other KV (B) into the same blocks is submitted on the load path's stream right after. The
     tail must be saved as A: the load's stream waits for the gather's event of those blocks."""
     from storage import open_store
-    from vllm_kvcodec.codecs.choice import CodecChooser
+    from vllm_kvcodec.save.codec_choice import CodecChooser
     from vllm_kvcodec.format import decode_chunk
     from vllm_kvcodec.load.cuda_placement import CudaFetcher
     from vllm_kvcodec.paged import PackedKVLayout

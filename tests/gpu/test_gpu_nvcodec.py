@@ -1,4 +1,4 @@
-"""NVDEC/NVENC path of the video codec (gpu/nvcodec.py, gpu/nvdec_sessions.py, device_chunks.py) on a CPU.
+"""NVDEC/NVENC path of the video codec (gpu/nvcodec.py, gpu/nvdec_sessions.py, format/device_chunks.py) on a CPU.
 
 No NVIDIA driver here: PyNvVideoCodec must be reported unavailable with a
 reason, never raise at import. The code after the decoder (payload parsing,
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_kvcodec import device_chunks
+from vllm_kvcodec.format import device_chunks
 from vllm_kvcodec.errors import CodecError, ConfigError
-from vllm_kvcodec.gpu import nvcodec
+from vllm_kvcodec.gpu import nvcodec, nvdec_sessions
 from vllm_kvcodec.gpu.nvdec_sessions import NvdecSession, NvdecSessions, SessionPool, decoder_caps, nvdec_engines
 from vllm_kvcodec.tools.gpu_nvc_stand_in import KnownPictures, PacketData, PyNvVCException, PyNvVCExceptionUnsupported, StandInNvc
 
@@ -39,7 +39,7 @@ def test_unavailable_is_a_reason_not_an_exception(no_pynvvideocodec) -> None:
     ok, reason_enc = nvcodec.nvenc_available()
     assert ok is False and reason_enc == reason
     with pytest.raises(nvcodec.NvCodecUnavailable, match="PyNvVideoCodec is not importable"):
-        nvcodec.nvdec_decode_planes(b"\0\0\0\1", 144, 144, 1, packet_sizes=[4])
+        nvdec_sessions.nvdec_decode_planes(b"\0\0\0\1", 144, 144, 1, packet_sizes=[4])
     with pytest.raises(nvcodec.NvCodecUnavailable):
         nvcodec.nvenc_encode_planes(np.zeros((1, 3, 144, 144), dtype=np.uint8))
     assert issubclass(nvcodec.NvCodecUnavailable, ConfigError)
@@ -371,7 +371,7 @@ def test_access_units_are_the_payloads_packets(real_kv_1k: torch.Tensor, tokens:
     units = nvcodec.access_units(parsed.stream)
     assert [len(u) for u in units] == list(parsed.packet_sizes)
     session = NvdecSessions(StandInNvc())(torch.device("cpu"))
-    planes = nvcodec.nvdec_decode_planes(parsed.stream, parsed.width, parsed.height, parsed.frames, "cpu", session=session)
+    planes = nvdec_sessions.nvdec_decode_planes(parsed.stream, parsed.width, parsed.height, parsed.frames, "cpu", session=session)
     assert torch.equal(nvcodec.planes_to_exponents(planes, parsed.geometry),
                        ((real_kv_1k[:, :, :tokens].contiguous().view(torch.int16).view(-1) >> 7) & 0xFF).to(torch.uint8))
 
@@ -430,10 +430,10 @@ def package_without_nvenc(tmp_path, monkeypatch: pytest.MonkeyPatch):
 
 def test_decoder_module_loads_where_only_the_encoder_library_is_missing(package_without_nvenc, monkeypatch) -> None:
     monkeypatch.setattr(nvcodec, "have_library", lambda name: name == nvcodec.NVCUVID)
-    assert nvcodec._import_nvc().MARK == "the decoder module, loaded by path"
+    assert nvcodec.import_nvc().MARK == "the decoder module, loaded by path"
 
 
 def test_without_either_video_library_nvdec_is_unavailable(package_without_nvenc, monkeypatch) -> None:
     monkeypatch.setattr(nvcodec, "have_library", lambda name: False)
     with pytest.raises(nvcodec.NvCodecUnavailable, match="libnvidia-encode"):
-        nvcodec._import_nvc()
+        nvcodec.import_nvc()

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from vllm_kvcodec.codecs.splitzip import SplitZipCodec
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.tools import gpu_selftest as selftest, splitzip_ref
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -82,8 +82,8 @@ def test_placement_writes_every_layer_where_a_per_layer_write_would(objects, cls
     Four layers in three KV cache groups: a full span, a span that starts one
     block into the chunk (a window, or a local hit), and an empty span.
     """
-    from vllm_kvcodec.load.fetcher import Decoded, HostPlacement
-    from vllm_kvcodec.spans import Span
+    from vllm_kvcodec.load.placement import Decoded, HostPlacement
+    from vllm_kvcodec.plans.spans import Span
 
     gen = torch.Generator().manual_seed(3)
     layout = cls(Geometry(H, D, BS, dtype))

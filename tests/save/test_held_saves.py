@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from storage.memory_store import MemoryStore
-from vllm_kvcodec.codecs.choice import CodecChooser
+from vllm_kvcodec.save.codec_choice import CodecChooser
 from vllm_kvcodec.format import decode_chunk
-from vllm_kvcodec.keys import Namespace, ObjectAddresses
-from vllm_kvcodec.outcomes import SaveOutcome
+from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses
+from vllm_kvcodec.plans.outcomes import SaveOutcome
 from vllm_kvcodec.save.held_saves import HeldSaves
 from vllm_kvcodec.save.saver import Saver
 from vllm_kvcodec.stats import ConnectorStats

@@ -8,9 +8,9 @@ import torch
 
 from storage.memory_store import MemoryStore
 from vllm_kvcodec.codecs import get_codec
-from vllm_kvcodec.codecs.choice import CodecChooser
+from vllm_kvcodec.save.codec_choice import CodecChooser
 from vllm_kvcodec.format import decode_chunk, read_header
-from vllm_kvcodec.keys import Namespace, ObjectAddresses
+from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses
 from vllm_kvcodec.save.saver import Saver
 from vllm_kvcodec.stats import ConnectorStats
 

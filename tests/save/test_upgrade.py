@@ -17,16 +17,16 @@ import torch
 
 from storage import open_store
 from vllm_kvcodec.codecs import get_codec
-from vllm_kvcodec.codecs.choice import CodecChooser
-from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
+from vllm_kvcodec.save.codec_choice import CodecChooser
+from vllm_kvcodec.plans.loads import ChunkLoad, LoadSpec
 from vllm_kvcodec.format import decode_chunk, encode_chunk, read_header
-from vllm_kvcodec.keys import Namespace, ObjectAddresses
+from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses
 from vllm_kvcodec.load.fetcher import Fetcher
 from vllm_kvcodec.paged import CpuAttnVecLayout, Geometry
 from vllm_kvcodec.paged.objects import CanonicalObjects
 from vllm_kvcodec.save.saver import Saver
 from vllm_kvcodec.save.upgrade import Upgrader
-from vllm_kvcodec.spans import Span
+from vllm_kvcodec.plans.spans import Span
 from vllm_kvcodec.stats import ConnectorStats
 
 L, H, D, BS, NB, CHUNK = 4, 3, 64, 32, 40, 256

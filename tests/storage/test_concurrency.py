@@ -2,7 +2,7 @@
 
 What the connector's save and load paths do without the engine (eight vLLM
 engines do not fit on this machine): real chunk keys (hash chains over token
-ids, :func:`~vllm_kvcodec.keys.chunk_hashes`), real SmolLM2 KV, the object
+ids, :func:`~vllm_kvcodec.keys.chain.chunk_hashes`), real SmolLM2 KV, the object
 key of each layer group, :func:`encode_chunk` with a codec that differs from
 process to process and round to round, ``put_many``; and loads by a batched
 existence check, ``get_many`` and :func:`decode_chunk`. Prompts share
@@ -30,7 +30,7 @@ import torch
 
 from vllm_kvcodec.errors import ChunkFormatError
 from vllm_kvcodec.format import decode_chunk, encode_chunk
-from vllm_kvcodec.keys import Namespace, ObjectAddresses, chunk_hashes
+from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses, chunk_hashes
 
 PROCESSES = 8
 CHUNK_TOKENS = 16

@@ -17,7 +17,8 @@ import torch
 from storage import StoreError, StoreURLError, check_url, open_store
 from storage.file_store import FileStore
 from storage.memory_store import MemoryStore
-from storage.near_tier import TRAILER_BYTES, NearTier, seal
+from storage.near_tier import NearTier
+from storage.ranged import TRAILER_BYTES, seal
 from vllm_kvcodec.codecs import get_codec
 from vllm_kvcodec.format import decode_chunk, encode_chunk
 

@@ -135,7 +135,7 @@ def pool_torch_threads(conn: Any) -> set[int]:
     Inside vLLM's CPU worker ``torch.set_num_threads`` is a logging no-op, so
     a pool initializer that calls it leaves 2+ threads, and the pool's torch
     ops start OpenMP teams that slow the engine's own steps (see
-    :mod:`vllm_kvcodec.torch_threads`).
+    :mod:`vllm_kvcodec.runtime.threads`).
     """
     import torch
 

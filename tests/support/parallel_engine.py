@@ -121,7 +121,7 @@ def assert_a_missing_object_is_a_miss_for_all(loader: Any, saved: dict[str, Any]
     """The object (``tp_rank``, ``group``) of M's second chunk is gone: the lookup stops before that chunk; no worker
     loads it."""
     from storage import open_store
-    from vllm_kvcodec.keys import chunk_hashes, object_key
+    from vllm_kvcodec.keys.chain import chunk_hashes, object_key
 
     namespace = saved["workers"][0]["namespace"]
     m = prompts(text)["m"]
@@ -145,7 +145,7 @@ def assert_one_failed_load_is_recomputed_by_all(loader: Any, saved: dict[str, An
     its checksum fails on ``failing_worker`` only): vLLM recomputes the prompt on every worker, and each worker's
     KV is what the saving run computed."""
     from storage import open_store
-    from vllm_kvcodec.keys import chunk_hashes, object_key
+    from vllm_kvcodec.keys.chain import chunk_hashes, object_key
 
     namespace = saved["workers"][0]["namespace"]
     f = prompts(text)["f"]

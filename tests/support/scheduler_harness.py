@@ -340,7 +340,7 @@ class Engine:
         from vllm_kvcodec.connector import KVCodecConnector
 
         with set_current_vllm_config(self.vllm_config), self._replication(), \
-                unittest.mock.patch("vllm_kvcodec.connector.facade._tp_rank", return_value=index):
+                unittest.mock.patch("vllm_kvcodec.connector.facade.tp_rank", return_value=index):
             connector = KVCodecConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
         caches = self._allocate_caches()
         self._register(connector, caches)
@@ -355,7 +355,7 @@ class Engine:
 
         if not self.replicated:
             return contextlib.nullcontext()
-        return unittest.mock.patch("vllm_kvcodec.connector.facade._replicated", return_value=True)
+        return unittest.mock.patch("vllm_kvcodec.connector.engine_namespace._replicated", return_value=True)
 
     def _register(self, connector: Any, caches: dict[str, torch.Tensor]) -> None:
         """``register_kv_caches``; without an fp8 kernel here, with the layouts' op check skipped (see the module doc)."""
@@ -662,8 +662,8 @@ class Engine:
 
     # ---- checks ---------------------------------------------------------------------
     def _check_plans(self, out: Any, meta: Any, tables: dict[str, list[list[int]]], computed: dict[str, int]) -> None:
-        from vllm_kvcodec.identity import prompt_identity
-        from vllm_kvcodec.keys import chunk_hashes
+        from vllm_kvcodec.keys.identity import prompt_identity
+        from vllm_kvcodec.keys.chain import chunk_hashes
 
         ns = self.connector.scheduler.namespace
         cs = self.chunk_size
@@ -708,7 +708,7 @@ class Engine:
                        identity: Any) -> None:
         """A plan's token digests: exactly this prompt's, for every token up to ``end`` in chunk ``c`` (what a load
         compares the object's header with, what a save records in it)."""
-        from vllm_kvcodec.token_digests import token_digests
+        from vllm_kvcodec.keys.token_digests import token_digests
 
         scheduler = self.connector.scheduler
         unit = scheduler.digest_unit
@@ -787,7 +787,7 @@ class Engine:
 def _chunk_index(ns: Any, tokens: list[int], hashes: list[str], chunk_hash: str, size: int, identity: Any) -> int:
     """Which chunk of ``tokens`` ``chunk_hash`` names: a full chunk (``size`` = chunk size), or the prompt tail
     of ``size`` tokens after that many full chunks (``prompt_tails``); -1 if neither."""
-    from vllm_kvcodec.keys import tail_hash
+    from vllm_kvcodec.keys.chain import tail_hash
 
     if size == ns.chunk_size:
         return hashes.index(chunk_hash) if chunk_hash in hashes else -1
@@ -801,8 +801,8 @@ def _ref_index(store: Any, ns: Any, tokens: list[int], hashes: list[str], chunk_
                align: int, identity: Any) -> tuple[int, int]:
     """(chunk, tokens) of this prompt's longest whole-block prefix whose stored ref names ``chunk_hash``
     (``block_hits``); (-1, 0) if none does: the load would write another prompt's KV."""
-    from vllm_kvcodec.block_refs import parse_ref, ref_key
-    from vllm_kvcodec.keys import tail_hash
+    from vllm_kvcodec.keys.block_refs import parse_ref, ref_key
+    from vllm_kvcodec.keys.chain import tail_hash
 
     cs = ns.chunk_size
     for c in range(min(len(hashes), len(tokens) // cs) + 1):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import ConfigError, UnsupportedDTypeError
 
 if TYPE_CHECKING:

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import vllm_kvcodec.numba_compat  # noqa: F401  (before numba; see its docstring)
+import vllm_kvcodec.codecs.numba_compat  # noqa: F401  (before numba; see its docstring)
 import numba
 import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 
 
 class PageExtents:

@@ -12,11 +12,11 @@ models the whole byte and the sign+mantissa nibble is incompressible.
 
 from __future__ import annotations
 
-import vllm_kvcodec.numba_compat  # noqa: F401  (before numba; see its docstring)
+import vllm_kvcodec.codecs.numba_compat  # noqa: F401  (before numba; see its docstring)
 import numba
 import numpy as np
 
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 
 
 def split_planes(flat: np.ndarray, dtype: DType) -> bytes:

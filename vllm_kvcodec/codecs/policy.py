@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from vllm_kvcodec.codecs.base import Codec
 from vllm_kvcodec.codecs.registry import get_codec
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
 
 DEFAULT_CODEC = "rans"

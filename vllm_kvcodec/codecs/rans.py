@@ -31,7 +31,7 @@ float16 has no whole-byte exponent split and is refused (use ``zstd`` or ``raw``
 
 from __future__ import annotations
 
-import vllm_kvcodec.numba_compat  # noqa: F401  (before numba; see its docstring)
+import vllm_kvcodec.codecs.numba_compat  # noqa: F401  (before numba; see its docstring)
 import numba
 import numpy as np
 
@@ -41,7 +41,7 @@ from vllm_kvcodec.codecs.into_pages import PageExtents, merge_into
 from vllm_kvcodec.codecs.planes import merge, split
 from vllm_kvcodec.codecs.registry import register_codec
 from vllm_kvcodec.codecs.validate import Reader, expect_at_most
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import CodecError, ConfigError
 
 

@@ -11,7 +11,7 @@ left over, or does not return the states to their initial value is rejected.
 
 from __future__ import annotations
 
-import vllm_kvcodec.numba_compat  # noqa: F401  (before numba; see its docstring)
+import vllm_kvcodec.codecs.numba_compat  # noqa: F401  (before numba; see its docstring)
 import numba
 import numpy as np
 

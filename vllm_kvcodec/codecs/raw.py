@@ -7,7 +7,7 @@ import numpy as np
 from vllm_kvcodec.codecs.base import Codec
 from vllm_kvcodec.codecs.registry import register_codec
 from vllm_kvcodec.codecs.validate import expect_size
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 
 
 @register_codec

@@ -32,7 +32,7 @@ from vllm_kvcodec.codecs.base import Codec
 from vllm_kvcodec.codecs.into_pages import PageExtents
 from vllm_kvcodec.codecs.registry import register_codec
 from vllm_kvcodec.codecs.validate import Reader, expect_at_most
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import CodecError
 
 CODEBOOK_SIZE = 16

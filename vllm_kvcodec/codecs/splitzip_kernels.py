@@ -9,7 +9,7 @@ vectorised flag reduction says they hold one.
 
 from __future__ import annotations
 
-import vllm_kvcodec.numba_compat  # noqa: F401  (before numba; see its docstring)
+import vllm_kvcodec.codecs.numba_compat  # noqa: F401  (before numba; see its docstring)
 import numba
 import numpy as np
 

@@ -68,7 +68,7 @@ from vllm_kvcodec.codecs.base import Codec
 from vllm_kvcodec.codecs.registry import register_codec
 from vllm_kvcodec.codecs.validate import Reader
 from vllm_kvcodec.codecs.video_layout import LAYOUT_VERSION, FrameGeometry, from_planes, geometry, to_planes
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import CodecError, ConfigError
 
 _HEAD = struct.Struct("<HHIQ")  # width, height, frames, exp_hash

@@ -25,7 +25,7 @@ from vllm_kvcodec.codecs.into_pages import PageExtents, merge_into
 from vllm_kvcodec.codecs.planes import merge_planes, split_planes
 from vllm_kvcodec.codecs.registry import register_codec
 from vllm_kvcodec.codecs.validate import expect_size
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import CodecError, ConfigError
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from storage.registry import describe_schemes
-from vllm_kvcodec.cache_dir import cache_dir
+from vllm_kvcodec.runtime.cache_dir import cache_dir
 from vllm_kvcodec.errors import ConfigError
 
 

@@ -51,7 +51,7 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 
-from vllm_kvcodec.outcomes import LoadOutcome, SaveOutcome
+from vllm_kvcodec.plans.outcomes import LoadOutcome, SaveOutcome
 from vllm_kvcodec.stats import ConnectorStats
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
     from vllm_kvcodec.connector.config import ConnectorConfig
     from vllm_kvcodec.connector.lookup import Tail
-    from vllm_kvcodec.connector.metadata import ChunkLoad
+    from vllm_kvcodec.plans.loads import ChunkLoad
 
 logger = logging.getLogger("vllm_kvcodec")
 #: Snapshots kept for saves and loads whose outcome has not come (bounded: a lost report must not leak them).

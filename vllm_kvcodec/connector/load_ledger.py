@@ -54,7 +54,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from vllm_kvcodec.outcomes import LoadOutcome
+from vllm_kvcodec.plans.outcomes import LoadOutcome
 
 #: A failed chunk is skipped by lookups for this long unless a save of it lands first.
 FAILED_TTL_S = 60.0

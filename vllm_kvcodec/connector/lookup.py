@@ -12,7 +12,7 @@ per arriving request: 32 arrivals at 10 ms RTT held one ``schedule()`` for
 - at the end of the step (``build_connector_meta``) every question of the
   step goes to one background thread as one batch, answered with one
   ``exists_many`` over all their chunk keys (each distinct key once), then
-  one read of the block refs (:mod:`~vllm_kvcodec.block_refs`) of the
+  one read of the block refs (:mod:`~vllm_kvcodec.keys.block_refs`) of the
   whole-block prefixes the chunk hits make possible, and one check that the
   objects the longest of them name are stored;
 - requests asking the same question (same chunks, same tail tokens) share
@@ -51,10 +51,10 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 
-from vllm_kvcodec.block_refs import Ref
+from vllm_kvcodec.keys.block_refs import Ref
 from vllm_kvcodec.connector.lookup_budget import LookupBudget
-from vllm_kvcodec.identity import PromptIdentity
-from vllm_kvcodec.keys import Namespace, tail_hash
+from vllm_kvcodec.keys.identity import PromptIdentity
+from vllm_kvcodec.keys.chain import Namespace, tail_hash
 from vllm_kvcodec.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_kvcodec.identity import adapter_files
+from vllm_kvcodec.keys.identity import adapter_files
 from vllm_kvcodec.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")

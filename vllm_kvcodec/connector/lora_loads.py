@@ -22,7 +22,7 @@ import logging
 import weakref
 from typing import Any
 
-from vllm_kvcodec.identity import adapter_files
+from vllm_kvcodec.keys.identity import adapter_files
 
 logger = logging.getLogger("vllm_kvcodec")
 #: Per vLLM worker LoRA manager: adapter id -> (load number, fingerprint of the files it was read from, or "").

@@ -1,6 +1,8 @@
-"""What the two halves tell each other: plans down (scheduler -> worker), outcomes up (worker -> scheduler).
+"""What the two halves tell each other, as vLLM carries it: plans down (scheduler -> worker), outcomes up.
 
-vLLM pickles both across processes. The plans (:class:`KVCodecMetadata`) say
+The two classes here subclass vLLM's (its connector metadata and worker
+metadata); what they carry is plain data from :mod:`vllm_kvcodec.plans`. vLLM
+pickles both across processes. The plans (:class:`KVCodecMetadata`) say
 which stored chunks to load into which slots and which computed chunks to
 save; the outcomes (:class:`KVCodecWorkerReport`, returned through
 ``build_connector_worker_meta`` and aggregated over tensor-parallel workers)
@@ -15,104 +17,11 @@ import dataclasses
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from vllm_kvcodec.format import TokenDigests
-from vllm_kvcodec.outcomes import LoadOutcome, SaveOutcome
-from vllm_kvcodec.spans import Span, one_group, one_span
+from vllm_kvcodec.plans.loads import LoadSpec, PrefetchSpec
+from vllm_kvcodec.plans.outcomes import LoadOutcome, SaveOutcome
+from vllm_kvcodec.plans.saves import SaveSpec
 
-__all__ = ["ChunkLoad", "KVCodecMetadata", "KVCodecWorkerReport", "LoadOutcome", "LoadSpec", "PrefetchSpec", "SaveOutcome",
-           "SaveSpec", "Span"]
-
-
-@dataclasses.dataclass
-class ChunkLoad:
-    """One stored chunk to bring into paged memory.
-
-    ``spans`` has one :class:`~vllm_kvcodec.spans.Span` per vLLM KV cache
-    group: the chunk's tokens from the span's ``first_token`` on, at their
-    slots in that group's blocks. Tokens before it are already in vLLM's local
-    prefix cache, in blocks other requests may share, and are never written; a
-    sliding-window group's span also leaves out the tokens whose blocks vLLM
-    did not allocate (outside the window of the hit). ``block_ids`` are every
-    block the load writes, of all groups. A prompt tail (``prompt_tails``) is
-    an object of fewer tokens than a chunk, as ``object_tokens`` says; a
-    load through a block ref (:mod:`~vllm_kvcodec.block_refs`) writes only the
-    first of the object's tokens. ``expect``: the digests of this prompt's tokens the object must record
-    (:mod:`~vllm_kvcodec.token_digests`), up to the last token the load writes; checked before any write.
-    """
-
-    chunk_hash: str
-    spans: list[Span]
-    block_ids: list[int]
-    object_tokens: int | None = None  # tokens the stored object holds: None for a full chunk, fewer for a tail
-    expect: TokenDigests | None = None
-
-    @property
-    def tokens(self) -> int:
-        """Tokens loaded: the longest span (the full-attention groups')."""
-        return max((len(s.slots) for s in self.spans), default=0)
-
-    @property
-    def first_token(self) -> int:
-        return one_span(self.spans).first_token
-
-    @property
-    def slots(self) -> list[int]:
-        return one_span(self.spans).slots
-
-
-@dataclasses.dataclass
-class LoadSpec:
-    """One request's load. ``load_id``: the scheduler half's id of this load, which the worker echoes in its
-    :class:`LoadOutcome` (request ids can be reused, see :mod:`~.load_ledger`)."""
-
-    req_id: str
-    chunks: list[ChunkLoad]
-    is_async: bool
-    load_id: int = 0
-    adapter: tuple[int, str] | None = None  # LoRA: (adapter id, weights its keys name), which the worker checks
-
-
-@dataclasses.dataclass
-class SaveSpec:
-    """One full chunk computed by this step (or earlier), to gather and store.
-
-    ``unsettled_loads`` are the ids of the request's loads whose outcome the
-    scheduler half had not heard of (from every worker) when it planned the
-    save: the chunk may have been computed over KV that never arrived, on
-    this worker or any other (their outputs are all-reduced, or feed the next
-    stage). A worker on which one of them failed drops the save at once;
-    where other workers run the same loads, the others hold it until the
-    scheduler half sends the load's verdict (``KVCodecMetadata.settled_loads``,
-    :mod:`~vllm_kvcodec.save.held_saves`). Ids, not a count of failures: a
-    rank whose load failed a step after another rank's succeeded is judged by
-    the same load, and a new request under a finished one's id never inherits
-    its failures.
-    """
-
-    req_id: str
-    chunk_hash: str
-    group_slots: list[list[int]]  # the chunk's slots in each KV cache group's blocks
-    unsettled_loads: list[int] = dataclasses.field(default_factory=list)
-    # its whole-block prefixes (hash, tokens), whose refs rank 0 writes (block_refs.py)
-    refs: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    digests: TokenDigests | None = None  # its tokens, recorded in every object's header (token_digests.py)
-    adapter: tuple[int, str] | None = None  # LoRA: (adapter id, weights its key names), which the worker checks
-
-    @property
-    def slots(self) -> list[int]:
-        return one_group(self.group_slots)
-
-    @property
-    def tokens(self) -> int:
-        return len(self.group_slots[0])
-
-
-@dataclasses.dataclass
-class PrefetchSpec:
-    """The chunks (full ones, and a prompt tail) a lookup found for a request that waits: fetch them ahead."""
-
-    req_id: str
-    chunk_hashes: list[str]
+__all__ = ["KVCodecMetadata", "KVCodecWorkerReport"]
 
 
 @dataclasses.dataclass

@@ -25,24 +25,26 @@ import torch
 from storage.options import redact_url
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from vllm_kvcodec.codecs.choice import CodecChooser
+from vllm_kvcodec.save.codec_choice import CodecChooser, probe_link
 from vllm_kvcodec.connector.background_work import BackgroundTally
 from vllm_kvcodec.connector.cache_groups import CacheGroups, layer_index
 from vllm_kvcodec.connector.cache_identity import KVCodecHandshake, is_fp8, scales_digest
 from vllm_kvcodec.connector.config import ConnectorConfig
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.codecs import policy
-from vllm_kvcodec.codecs.warmup import warm_up
+from vllm_kvcodec.save.codec_warmup import warm_up
 from vllm_kvcodec.load.cores import idle_cores, load_threads
 from vllm_kvcodec.load.load_balance import LoadBalance
-from vllm_kvcodec.connector.prefetch import Prefetcher
+from vllm_kvcodec.load.prefetch import Prefetcher
 from vllm_kvcodec.load.fetcher import Fetcher
-from vllm_kvcodec.keys import Namespace, ObjectAddresses
+from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.connector.lora_loads import LoadedAdapters, watch_adapter_loads
-from vllm_kvcodec.malloc_tuning import reuse_large_buffers
-from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport, LoadOutcome, SaveOutcome, SaveSpec
+from vllm_kvcodec.runtime.malloc import reuse_large_buffers
+from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
+from vllm_kvcodec.plans.outcomes import LoadOutcome, SaveOutcome
+from vllm_kvcodec.plans.saves import SaveSpec
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, layouts_for, shared_kv_layers
 from vllm_kvcodec.paged.objects import object_layout_for
 from vllm_kvcodec.save.gather import SaveGather, chunk_nbytes, save_gather_for
@@ -61,8 +63,6 @@ logger = logging.getLogger("vllm_kvcodec")
 IDLE_POLL_S = 0.01
 #: Bytes beyond its raw KV an object may hold (header, codec framing): what a prefetch reserves at most.
 PREFETCH_SLACK = 4096
-#: The object codec ``auto`` reads back at start-up to learn the store's read bandwidth (34 ms at 1 Gbit/s).
-PROBE_BYTES = 4 << 20
 
 
 class WorkerHalf:
@@ -143,7 +143,7 @@ class WorkerHalf:
                                reads_in_memory=self.store.reads_in_memory, whole_loads=self._whole_loads)
         self.chooser.decoders = threads.decode
         if caches[0].is_cuda and self.chooser.auto:  # auto calibrates the decoders this fetcher uses (device, NVDEC)
-            from vllm_kvcodec.codecs.choice import cuda_decode_paths
+            from vllm_kvcodec.save.codec_choice import cuda_decode_paths
 
             self.chooser.decode_paths = cuda_decode_paths(caches[0].device, threads.decode)
         self.chooser.reads_cost_cpu = self.store.reads_in_memory
@@ -167,7 +167,7 @@ class WorkerHalf:
             self.fetcher.after_load = self.upgrader.offer
         self.chooser.token_axis = self.objects.token_axis
         if self.chooser.auto and self.config.save:  # a load-only instance chooses no codec: it writes nothing
-            self._probe_link(addresses)
+            probe_link(self.store, addresses.key(os.urandom(16).hex(), 0), self.chooser)
         logger.info("kvcodec: %d KV layers, %d per stored object (%d KV cache groups: %s), layout %s, store %s, "
                     "codec %s, %d fetch / %d decode threads", len(names), len(self.groups[0]), len(self.cache_groups.groups),
                     ", ".join(g.label for g in self.cache_groups.groups), ordered[0].layout_id,
@@ -181,33 +181,6 @@ class WorkerHalf:
             raise ConfigError(f"max_pending_save_bytes {self.config.max_pending_save_bytes} is below one chunk's KV "
                               f"on this worker ({chunk} bytes for chunk_size {self.config.chunk_size}): no save "
                               f"could ever be queued; raise it to at least {chunk} or lower chunk_size")
-
-    def _probe_link(self, addresses: ObjectAddresses, probes: int = 3) -> None:
-        """What codec ``auto`` needs before the first load: the store's latency (empty lookups, which no
-        transfer must read as bandwidth) and its read bandwidth (a probe object put, read back, deleted).
-
-        A saving instance otherwise knows only its puts, which run far below
-        its reads (a file store writing pages): auto then saved denser codecs
-        where raw loaded fastest. A store that refuses the probe (read-only,
-        down) leaves the estimate to the transfers that follow.
-        """
-        key = addresses.key(os.urandom(16).hex(), 0)  # a key of the namespace's shape that no chunk has
-        try:
-            for _ in range(probes):
-                t0 = time.perf_counter()
-                self.store.exists_many([key])
-                self.chooser.observe_round_trip(time.perf_counter() - t0)
-            self.store.put(key, bytes(PROBE_BYTES))
-            try:
-                for _ in range(probes):
-                    t0 = time.perf_counter()
-                    blob = self.store.get(key)
-                    t1 = time.perf_counter()
-                    self.chooser.observe_read(len(blob or b""), t1 - t0, end=t1)
-            finally:
-                self.store.delete(key)
-        except Exception as exc:  # noqa: BLE001 - a store not up yet: auto starts from its initial figure
-            logger.info("kvcodec auto: probing the store failed (%s); the link estimate starts from transfers", exc)
 
     def _check_layouts(self, names: list[str], layouts: dict[str, Any]) -> None:
         """Every layer in the namespace's dtype and one geometry (and canonical, for canonical objects): what one stored object can hold."""

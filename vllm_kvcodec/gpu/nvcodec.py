@@ -7,7 +7,7 @@ reordering). This module decodes such a stream with NVDEC into a ``[frames, 3,
 height, width]`` uint8 tensor on the GPU, crops and joins pictures (given a
 geometry), and encodes pictures with NVENC where a GPU has one. It reads no
 chunk format and imports no codec: what parses a chunk or a ``video`` payload
-for it is :mod:`vllm_kvcodec.device_chunks`, above both.
+for it is :mod:`vllm_kvcodec.format.device_chunks`, above both.
 
 ``PyNvVideoCodec`` is imported lazily, on first use, never at module import:
 without an NVIDIA driver ``import PyNvVideoCodec`` fails, and
@@ -64,7 +64,7 @@ _NVC: Any = None
 _NVC_ERROR: str | None = None
 
 
-def _import_nvc() -> Any:
+def import_nvc() -> Any:
     """``import PyNvVideoCodec`` once (else its decoder module directly); raise :class:`NvCodecUnavailable` if neither."""
     global _NVC, _NVC_ERROR
     if _NVC is not None:
@@ -129,7 +129,7 @@ def _reset_import_cache() -> None:
 def nvdec_available() -> tuple[bool, str]:
     """``(True, description)`` if NVDEC can be driven from here, else ``(False, reason)``. Never raises."""
     try:
-        nvc = _import_nvc()
+        nvc = import_nvc()
     except NvCodecUnavailable as exc:
         return False, str(exc)
     if not torch.cuda.is_available():
@@ -251,51 +251,6 @@ def access_units(stream: bytes | memoryview) -> list[memoryview]:
     return [view[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
-def nvdec_decode_planes(
-    stream: bytes | memoryview, width: int, height: int, frames: int, device: torch.device | str = "cuda",
-    *, packet_sizes: tuple[int, ...] | list[int] | None = None, session: Any | None = None,
-) -> torch.Tensor:
-    """Decode the ``video`` codec's HEVC Annex B stream with NVDEC: ``[frames, 3, height, width]`` uint8 on GPU.
-
-    ``session``: an :class:`~vllm_kvcodec.gpu.nvdec_sessions.NvdecSession`
-    to reuse (for pictures of this one size), or a
-    :class:`~vllm_kvcodec.gpu.nvdec_sessions.SessionPool` to take one of this
-    size from; without either, a decoder is created for this call only. ``packet_sizes``: the
-    payload's packet table; without it the stream is cut into access units
-    (:func:`access_units`). Raises
-    :class:`NvCodecUnavailable` when PyNvVideoCodec/NVDEC cannot be used,
-    :class:`CodecError` when the stream does not decode to exactly ``frames``
-    4:4:4 pictures of the given size.
-    """
-    from vllm_kvcodec.gpu.nvdec_sessions import NvdecSession
-
-    device = torch.device(device)
-    if session is None:
-        _import_nvc()
-        if device.type != "cuda" or not torch.cuda.is_available():
-            raise NvCodecUnavailable(f"NVDEC decodes into CUDA memory; {device} is not a usable CUDA device")
-    data = bytes(stream)
-    if not data.startswith(ANNEXB_START) and not data.startswith(ANNEXB_START[1:]):
-        raise CodecError("not an Annex B elementary stream (no start code)")
-    packets = split_packets(data, packet_sizes) if packet_sizes is not None else access_units(data)
-    if len(packets) != frames:
-        raise CodecError(f"{len(packets)} packets for {frames} pictures")
-    out = torch.empty((frames, PLANES, height, width), dtype=torch.uint8, device=device)
-    with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
-        if hasattr(session, "take"):
-            with session.take((width, height)) as decoder:
-                decoder.decode_into(packets, width, height, out)
-        else:
-            (session if session is not None else NvdecSession(device)).decode_into(packets, width, height, out)
-    return out
-
-
-def _nullcontext() -> Any:
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
 # --------------------------------------------------------------------------------------
 # NVENC (probe only: datacenter Hopper/Ampere parts have none)
 # --------------------------------------------------------------------------------------
@@ -315,7 +270,7 @@ def nvenc_encode_pictures(planes: np.ndarray, **options: Any) -> list[bytes]:
     :class:`CodecError` when it does not give exactly one packet per picture
     (the layout needs them apart).
     """
-    nvc = _import_nvc()
+    nvc = import_nvc()
     frames, _, height, width = planes.shape
     params = {**NVENC_OPTIONS, **options}
     try:
@@ -382,6 +337,6 @@ def nvenc_available() -> tuple[bool, str]:
 
 __all__ = [
     "NVCUVID", "NVENCODE", "NvCodecUnavailable", "access_units", "driver_video_libraries", "encoded_packets",
-    "have_library", "join_bf16", "nvdec_available", "nvdec_decode_planes", "nvenc_available", "nvenc_encode_pictures",
+    "have_library", "join_bf16", "nvdec_available", "nvenc_available", "nvenc_encode_pictures",
     "nvenc_encode_planes", "nvenc_usable", "planes_to_exponents", "split_packets",
 ]

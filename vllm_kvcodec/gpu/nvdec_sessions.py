@@ -49,6 +49,7 @@ fails, its session is replaced).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Hashable, Iterator
@@ -95,12 +96,11 @@ class NvdecSession:
     """A PyNvVideoCodec decoder on one device for pictures of one size (fixed by its first stream), own stream."""
 
     def __init__(self, device: torch.device, nvc: Any | None = None) -> None:
-        self.nvc = nvc if nvc is not None else nvcodec._import_nvc()
+        self.nvc = nvc if nvc is not None else nvcodec.import_nvc()
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.decoder: Any = None
         self.size: tuple[int, int] | None = None
-        self.streams_decoded = 0
 
     def _open(self, width: int, height: int) -> None:
         try:
@@ -123,7 +123,6 @@ class NvdecSession:
             got = self._take(self._decode(data, self.nvc.VideoPacketFlag.ENDOFPICTURE), got, frames, width, height, out)
         if got != frames:
             raise CodecError(f"HEVC stream decoded to {got} pictures, expected {frames}")
-        self.streams_decoded += 1
 
     def _decode(self, data: memoryview, flag: Any) -> list:
         buf = np.frombuffer(data, dtype=np.uint8)  # alive until Decode returns (the parser copies it)
@@ -257,7 +256,7 @@ def decoder_caps(device: torch.device, nvc: Any | None = None) -> dict[str, Any]
     """
     caps: dict[str, Any] = {}
     try:
-        nvc = nvc if nvc is not None else nvcodec._import_nvc()
+        nvc = nvc if nvc is not None else nvcodec.import_nvc()
         got = dict(nvc.GetDecoderCaps(gpuid=device.index or 0, codec=nvc.cudaVideoCodec.HEVC,
                                       chromaformat=chroma_444(nvc), bitdepth=8))
         caps = {"source": "GetDecoderCaps", "supported": bool(got.get("supported", 1)),
@@ -308,7 +307,7 @@ class NvdecDecoders:
             if not ok:
                 self._give_up(reason)
                 return None
-            factory = NvdecSessions(nvcodec._import_nvc())
+            factory = NvdecSessions(nvcodec.import_nvc())
         nvc = getattr(factory, "nvc", None)
         caps = decoder_caps(self.device, nvc)
         if caps.get("supported") is False:
@@ -338,3 +337,40 @@ class NvdecDecoders:
 
 __all__ = ["NvdecDecoders", "NvdecSession", "NvdecSessions", "PlanesSession", "SessionPool", "chroma_444",
            "decoder_caps", "nvdec_engines"]
+
+
+def nvdec_decode_planes(
+    stream: bytes | memoryview, width: int, height: int, frames: int, device: torch.device | str = "cuda",
+    *, packet_sizes: tuple[int, ...] | list[int] | None = None, session: Any | None = None,
+) -> torch.Tensor:
+    """Decode the ``video`` codec's HEVC Annex B stream with NVDEC: ``[frames, 3, height, width]`` uint8 on GPU.
+
+    ``session``: an :class:`~vllm_kvcodec.gpu.nvdec_sessions.NvdecSession`
+    to reuse (for pictures of this one size), or a
+    :class:`~vllm_kvcodec.gpu.nvdec_sessions.SessionPool` to take one of this
+    size from; without either, a decoder is created for this call only. ``packet_sizes``: the
+    payload's packet table; without it the stream is cut into access units
+    (:func:`~vllm_kvcodec.gpu.nvcodec.access_units`). Raises
+    :class:`~vllm_kvcodec.gpu.nvcodec.NvCodecUnavailable` when PyNvVideoCodec/NVDEC cannot be used,
+    :class:`CodecError` when the stream does not decode to exactly ``frames``
+    4:4:4 pictures of the given size.
+    """
+    device = torch.device(device)
+    if session is None:
+        nvcodec.import_nvc()
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise nvcodec.NvCodecUnavailable(f"NVDEC decodes into CUDA memory; {device} is not a usable CUDA device")
+    data = bytes(stream)
+    if not data.startswith(nvcodec.ANNEXB_START) and not data.startswith(nvcodec.ANNEXB_START[1:]):
+        raise CodecError("not an Annex B elementary stream (no start code)")
+    packets = nvcodec.split_packets(data, packet_sizes) if packet_sizes is not None else nvcodec.access_units(data)
+    if len(packets) != frames:
+        raise CodecError(f"{len(packets)} packets for {frames} pictures")
+    out = torch.empty((frames, nvcodec.PLANES, height, width), dtype=torch.uint8, device=device)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        if hasattr(session, "take"):
+            with session.take((width, height)) as decoder:
+                decoder.decode_into(packets, width, height, out)
+        else:
+            (session if session is not None else NvdecSession(device)).decode_into(packets, width, height, out)
+    return out

@@ -17,8 +17,10 @@ layers of one vLLM KV cache group do), so a chunk of a 30-layer group is one
 kernel, not 30 x 4 torch ops. Values move as 16/32-bit integers (bit-exact,
 NaN payloads included).
 
-Program grid: (token tiles, kv heads, layers). Each program copies ``BT``
-tokens x ``head_size`` of K and of V of one head of one layer. Offsets are
+One kernel moves both ways (``TO_PAGES``, a compile-time constant: scatter
+or gather), so the two directions share every address computation. Program
+grid: (token tiles, kv heads, layers). Each program copies ``BT`` tokens x
+``head_size`` of K and of V of one head of one layer. Offsets are
 int64 (a block-outer layout's block stride spans all layers, so
 ``block * stride`` can pass 2**31 elements). The cache pointers come from a
 table, so Triton cannot see their alignment: the host computes it (``PTR_ALIGN``
@@ -49,11 +51,13 @@ _INT_VIEW = {2: torch.int16, 4: torch.int32}
 
 
 @triton.jit
-def _scatter(kv_ptr, table_ptr, slots_ptr, tokens, block_size,
-             kv_sl, kv_skv, kv_st, kv_sh,
-             c_sb, c_sh, c_sn,
-             HEAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, VEC: tl.constexpr,
-             PTR_ALIGN: tl.constexpr):
+def _move(kv_ptr, table_ptr, slots_ptr, tokens, block_size,
+          kv_sl, kv_skv, kv_st, kv_sh,
+          c_sb, c_sh, c_sn,
+          HEAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, VEC: tl.constexpr,
+          PTR_ALIGN: tl.constexpr, TO_PAGES: tl.constexpr):
+    """Scatter (``TO_PAGES``: the chunk ``kv`` into the pages) or gather (the pages into ``kv``): the same addresses,
+    read on one side and written on the other, so the two directions can never disagree on where a slot lies."""
     pid = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     layer = tl.program_id(2).to(tl.int64)
@@ -66,34 +70,14 @@ def _scatter(kv_ptr, table_ptr, slots_ptr, tokens, block_size,
     off = s - blk * block_size
     cache = tl.load(table_ptr + layer).to(tl.pointer_type(kv_ptr.dtype.element_ty))
     row = tl.multiple_of(blk * c_sb + h * c_sh + off * c_sn, VEC)  # host-checked: rows start VEC-aligned
-    dst = tl.multiple_of(cache, PTR_ALIGN) + row[:, None] + d[None, :]
-    src = kv_ptr + layer * kv_sl + t[:, None].to(tl.int64) * kv_st + h * kv_sh + d[None, :]
-    tl.store(dst, tl.load(src, mask=mask), mask=mask)
-    tl.store(dst + HEAD, tl.load(src + kv_skv, mask=mask), mask=mask)
-
-
-@triton.jit
-def _gather(out_ptr, table_ptr, slots_ptr, tokens, block_size,
-            o_sl, o_skv, o_st, o_sh,
-            c_sb, c_sh, c_sn,
-            HEAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, VEC: tl.constexpr,
-             PTR_ALIGN: tl.constexpr):
-    pid = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    layer = tl.program_id(2).to(tl.int64)
-    t = pid * BT + tl.arange(0, BT)
-    d = tl.arange(0, BD)
-    live = t < tokens
-    mask = live[:, None] & (d < HEAD)[None, :]
-    s = tl.load(slots_ptr + t, mask=live, other=0).to(tl.int64)
-    blk = s // block_size
-    off = s - blk * block_size
-    cache = tl.load(table_ptr + layer).to(tl.pointer_type(out_ptr.dtype.element_ty))
-    row = tl.multiple_of(blk * c_sb + h * c_sh + off * c_sn, VEC)  # host-checked: rows start VEC-aligned
-    src = tl.multiple_of(cache, PTR_ALIGN) + row[:, None] + d[None, :]
-    dst = out_ptr + layer * o_sl + t[:, None].to(tl.int64) * o_st + h * o_sh + d[None, :]
-    tl.store(dst, tl.load(src, mask=mask), mask=mask)
-    tl.store(dst + o_skv, tl.load(src + HEAD, mask=mask), mask=mask)
+    page = tl.multiple_of(cache, PTR_ALIGN) + row[:, None] + d[None, :]
+    chunk = kv_ptr + layer * kv_sl + t[:, None].to(tl.int64) * kv_st + h * kv_sh + d[None, :]
+    if TO_PAGES:
+        tl.store(page, tl.load(chunk, mask=mask), mask=mask)
+        tl.store(page + HEAD, tl.load(chunk + kv_skv, mask=mask), mask=mask)
+    else:
+        tl.store(chunk, tl.load(page, mask=mask), mask=mask)
+        tl.store(chunk + kv_skv, tl.load(page + HEAD, mask=mask), mask=mask)
 
 
 def _pow2_dividing(values: list[int], floor: int) -> int:
@@ -167,23 +151,23 @@ class PackedPages:
         """
         layers = self._check(first_layer, kv, slots, "kv")
         if layers and kv.shape[2]:
-            self._run(_scatter, first_layer, kv, slots)
+            self._run(first_layer, kv, slots, to_pages=True)
 
     def gather(self, first_layer: int, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Read ``slots`` of layers ``first_layer...`` into ``out`` ``[layers, 2, tokens, heads, head_size]``."""
         layers = self._check(first_layer, out, slots, "out")
         if layers and out.shape[2]:
-            self._run(_gather, first_layer, out, slots)
+            self._run(first_layer, out, slots, to_pages=False)
         return out
 
-    def _run(self, kernel, first_layer: int, kv: torch.Tensor, slots: torch.Tensor) -> None:
+    def _run(self, first_layer: int, kv: torch.Tensor, slots: torch.Tensor, *, to_pages: bool) -> None:
         view = _INT_VIEW[kv.element_size()]
         layers, _, tokens, heads, _ = kv.shape
         grid = (cdiv(tokens, self.block_tokens), heads, layers)
-        self._launch(kernel, grid, kv.view(view), self.table[first_layer:], slots, tokens, self.block_size,
+        self._launch(_move, grid, kv.view(view), self.table[first_layer:], slots, tokens, self.block_size,
                      *kv.stride()[:4], *self.strides,
                      HEAD=self.head_size, BT=self.block_tokens, BD=self._block_d, VEC=self._vec,
-                     PTR_ALIGN=self._ptr_align, num_warps=self.num_warps)
+                     PTR_ALIGN=self._ptr_align, TO_PAGES=to_pages, num_warps=self.num_warps)
 
     def _check(self, first_layer: int, kv: torch.Tensor, slots: torch.Tensor, name: str) -> int:
         want = (self.num_heads, self.head_size)

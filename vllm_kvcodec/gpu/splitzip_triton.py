@@ -585,7 +585,7 @@ def decode_splitzip_gpu(
     return out
 
 
-# Chunks around these payloads (the chunk format) are made and read one level up: vllm_kvcodec.device_chunks.SplitZipGPU.
+# Chunks around these payloads (the chunk format) are made and read one level up: vllm_kvcodec.format.device_chunks.SplitZipGPU.
 
 
 __all__ = [

@@ -14,7 +14,7 @@ digest is longer than 240 bytes, so every program takes the long path); a
 single input of at most 240 bytes is copied back as it is and hashed on the host.
 
 Device plumbing only: the segment size comes from the caller (the chunk's
-header, read in :mod:`vllm_kvcodec.device_chunks`); tests compare the result
+header, read in :mod:`vllm_kvcodec.format.device_chunks`); tests compare the result
 with the CPU definition in Triton's interpreter for many lengths and segments.
 """
 

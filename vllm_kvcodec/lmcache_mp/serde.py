@@ -34,7 +34,7 @@ from lmcache.v1.distributed.serde.base import Deserializer, Serializer
 
 from vllm_kvcodec.codecs import policy
 from vllm_kvcodec.codecs.base import Codec
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import ChunkFormatError, ConfigError
 from vllm_kvcodec.format import CHECKSUM_BYTES, MAX_HEADER_BYTES, decode_payload, encode_chunk, read_header
 from vllm_kvcodec.lmcache_mp import frame

@@ -43,7 +43,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from storage import StoreError, open_store
 from vllm_kvcodec.codecs import get_codec, policy
 from vllm_kvcodec.codecs.base import Codec
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import ChunkFormatError, ConfigError, KVCodecError
 from vllm_kvcodec.format import decode_chunk, encode_chunk
 from vllm_kvcodec.lmcache_plugin import envelope
@@ -57,8 +57,7 @@ from vllm_kvcodec.lmcache_plugin.store_keys import (
     parse_store_key,
 )
 from vllm_kvcodec.lmcache_plugin.settings import PluginConfigError, PluginSettings
-from vllm_kvcodec.thread_pools import started_pool
-from vllm_kvcodec.torch_threads import one_torch_thread
+from vllm_kvcodec.runtime.threads import one_torch_thread, started_pool
 
 logger = init_logger(__name__)
 

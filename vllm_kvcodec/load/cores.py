@@ -15,7 +15,7 @@ decoding 1.28 and 1.30; 1 thread for both 1.15 and 1.22. The load alone, engine
 idle: 104 CPU-ms with 4 threads, 56 with one. A GPU engine leaves the host's
 cores to the connector, so there every fetch thread decodes.
 
-Those figures predate :mod:`vllm_kvcodec.torch_threads` (every extra thread
+Those figures predate :mod:`vllm_kvcodec.runtime.threads` (every extra thread
 then also slowed the engine's own OpenMP team). After it, TTFT over the local
 hit at 10 / 100 Gbit/s, 5 pairs a row: one thread beside the prefill, layer
 by layer, raw 1.44 / 1.34; two threads beside it, raw 1.56 / 1.32, rans 2.78 /

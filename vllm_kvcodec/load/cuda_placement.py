@@ -16,7 +16,7 @@ object on its I/O threads as for host memory; this placement supplies the rest:
    (:mod:`~vllm_kvcodec.gpu.nvdec_sessions`, reused, as many as the GPU has
    NVDEC engines) decodes its stream into device pictures; on the side stream
    the Triton join makes the bf16 values. Values decoded on the device are
-   checked there (:func:`vllm_kvcodec.device_chunks.value_check`): the chunk's
+   checked there (:func:`vllm_kvcodec.format.device_chunks.value_check`): the chunk's
    value digest (one XXH3 per segment, all at once; SplitZip chunks that carry
    one too), else an older video chunk's exponent hash; what it reads back
    lands beside the slots and the I/O thread finishes and compares it. Where
@@ -55,11 +55,10 @@ import numpy as np
 import torch
 
 from storage import Store
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
-from vllm_kvcodec.errors import CodecError
 from vllm_kvcodec.codecs.video_layout import geometry as video_geometry
-from vllm_kvcodec.device_chunks import is_nvdec_video, parse_video_payload, value_check
+from vllm_kvcodec.format.device_chunks import is_nvdec_video, parse_video_payload, value_check
 from vllm_kvcodec.format import ChunkHeader, decode_payload, payload_of
 from vllm_kvcodec.gpu import nvcodec
 from vllm_kvcodec.gpu.block_reads import layout_blocks
@@ -69,16 +68,17 @@ from vllm_kvcodec.gpu.nvdec_sessions import NvdecDecoders, PlanesSession, Sessio
 from vllm_kvcodec.gpu.scatter_triton import check_slots, packed_pages_for
 from vllm_kvcodec.gpu.side_stream import SideStream
 from vllm_kvcodec.gpu.staging import StagingPool, align8, host_slots
-from vllm_kvcodec.keys import ObjectAddresses
+from vllm_kvcodec.keys.chain import ObjectAddresses
 from vllm_kvcodec.gpu import splitzip_triton as sz
-from vllm_kvcodec.load.fetcher import Decoded, Fetcher, Placement
+from vllm_kvcodec.load.fetcher import Fetcher
+from vllm_kvcodec.load.placement import Decoded, Placement
 from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.paged import PagedLayout
 from vllm_kvcodec.paged.objects import PageObjects
-from vllm_kvcodec.spans import Span
+from vllm_kvcodec.plans.spans import Span
 
 if TYPE_CHECKING:  # imports vLLM; the load path itself must not (the GPU check runs without it)
-    from vllm_kvcodec.connector.metadata import ChunkLoad
+    from vllm_kvcodec.plans.loads import ChunkLoad
 
 FLAG_BYTES = 8  # two int32 device validation flags of a SplitZip decode
 

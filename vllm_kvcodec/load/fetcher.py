@@ -21,21 +21,20 @@ Per object, whatever the medium:
 a missing one fails its blocks; its header is validated once (sizes, checksum,
 the key it is bound to, the shape this engine expects), then the
 :class:`Placement` decodes and scatters it. What differs between host memory
-and a CUDA device is only the placement (:class:`HostPlacement` here;
-:class:`~vllm_kvcodec.load.cuda_placement.CudaPlacement` stages, copies and
-decodes on a side stream), the way vLLM's offloading code keeps one worker
+and a CUDA device is only the placement (:mod:`.placement`:
+:class:`~.placement.HostPlacement`, and
+:class:`~vllm_kvcodec.load.cuda_placement.CudaPlacement`, which stages, copies
+and decodes on a side stream), the way vLLM's offloading code keeps one worker
 contract with a transfer handler per medium.
 
 Each layer belongs to one vLLM KV cache group (``cache_groups[layer]``); an
 object's layers are scattered with their own group's span of the chunk (see
-:mod:`vllm_kvcodec.spans`), so a sliding-window layer gets only the blocks
+:mod:`vllm_kvcodec.plans.spans`), so a sliding-window layer gets only the blocks
 vLLM allocated for its window.
 """
 
 from __future__ import annotations
 
-import abc
-import dataclasses
 import logging
 import threading
 import time
@@ -43,51 +42,32 @@ from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
-import numpy as np
 import torch
 
 from storage import Store, StoreError
 from vllm_kvcodec.errors import ChunkFormatError
-from vllm_kvcodec.codecs.into_pages import PageExtents
 from vllm_kvcodec.format import ChunkHeader, decode_payload, decode_payload_into, payload_of, read_header
-from vllm_kvcodec.keys import ObjectAddresses
-from vllm_kvcodec.load.direct_read import copy_into, is_raw, read_head, read_pages_into, tensor_bytes
+from vllm_kvcodec.keys.chain import ObjectAddresses
+from vllm_kvcodec.load.direct_read import (PageGeometry, PageRun, copy_into, is_raw, read_head, read_pages_into,
+                                           tensor_bytes)
 from vllm_kvcodec.load.load_job import LoadJob
-from vllm_kvcodec.malloc_tuning import warm_thread_heap
+from vllm_kvcodec.load.placement import HostPlacement, Placement
+from vllm_kvcodec.runtime.malloc import warm_thread_heap
 from vllm_kvcodec.paged import PagedLayout
-from vllm_kvcodec.paged.base import block_runs, cache_bytes
-from vllm_kvcodec.paged.objects import CanonicalObjects, ObjectLayout, PageObjects, Target, object_layout_for
-from vllm_kvcodec.spans import Span
-from vllm_kvcodec.thread_pools import started_pool
-from vllm_kvcodec.token_digests import TokenMismatchError, check_tokens
-from vllm_kvcodec.torch_threads import one_torch_thread
+from vllm_kvcodec.paged.objects import PageObjects, object_layout_for
+from vllm_kvcodec.plans.loads import ChunkLoad, LoadSpec
+from vllm_kvcodec.plans.spans import Span
+from vllm_kvcodec.runtime.threads import one_torch_thread, started_pool
+from vllm_kvcodec.keys.token_digests import TokenMismatchError, check_tokens
 
-if TYPE_CHECKING:  # imports vLLM; the fetcher itself must not (the GPU check runs without it)
-    from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec
-    from vllm_kvcodec.gpu.block_reads import BlockReads
-    from vllm_kvcodec.connector.prefetch import Prefetcher
+if TYPE_CHECKING:
+    from vllm_kvcodec.load.prefetch import Prefetcher
     from vllm_kvcodec.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")
 _R = TypeVar("_R")
 #: Raw KV bytes of the objects one store round trip fetches (and one fetch thread holds at once).
 BATCH_BYTES = 8 << 20
-
-
-class PageRun(NamedTuple):
-    """``nbytes`` of a page object's payload that lie at ``offset`` in ``layer``'s host cache."""
-
-    layer: int
-    offset: int
-    nbytes: int
-
-
-class LayerBytes(NamedTuple):
-    """A layer's host cache as bytes, what its page extents depend on, and its address (caches never change)."""
-
-    raw: memoryview
-    geometry: tuple[object, ...]
-    address: int
 
 
 class LoadError(Exception):
@@ -114,72 +94,12 @@ def failure_kind(exc: BaseException) -> str:
     return "other"
 
 
-@dataclasses.dataclass
-class Decoded:
-    """One object's KV (the object layout's shape) and, per KV cache group, the chunk's span there."""
-
-    kv: torch.Tensor
-    spans: list[Span]  # one per KV cache group: where its tokens start in the chunk, and their slots
-    on_device: bool = False  # decoded by a device kernel (counted as gpu_decoded_objects)
-    device_slots: list[torch.Tensor] | None = None  # the spans' slots, already where the caches are (CUDA)
-
-
 class Read(NamedTuple):
     """One object's read in place: its bytes, the seconds reading took and when it ended."""
 
     nbytes: int
     seconds: float
     end: float
-
-
-class Placement(abc.ABC):
-    """How one validated object reaches paged memory on one medium."""
-
-    def __init__(self, caches: list[torch.Tensor], layouts: list[PagedLayout], cache_groups: list[int] | None = None) -> None:
-        self.caches, self.layouts = caches, layouts
-        self.cache_groups = cache_groups or [0] * len(caches)  # the vLLM KV cache group of each layer
-        self.objects: ObjectLayout = CanonicalObjects()  # the fetcher sets its namespace's
-        #: The save path's reads of paged blocks (a GPU gather's, gpu/block_reads.py): set by the worker half.
-        self.block_reads: BlockReads | None = None
-
-    def new_job(self, group_layers: list[list[int]], objects_per_group: int, req_ids: list[str]) -> LoadJob:
-        return LoadJob(group_layers, objects_per_group, req_ids)
-
-    @abc.abstractmethod
-    def decode(self, blob: bytes, header: ChunkHeader, spans: list[Span]) -> Decoded:
-        """Decode the object (untrusted beyond its header) next to the caches; raise on anything invalid."""
-
-    @abc.abstractmethod
-    def scatter(self, layers: range, decoded: Decoded) -> None:
-        """Write each layer's span of the decoded object into its group's slots."""
-
-    def shutdown(self) -> None:
-        """Release streams or staging memory, if any."""
-
-    def order_after_reads(self, chunks: list[ChunkLoad]) -> None:
-        """Before any write of these loads is enqueued: order them after the save path's reads of their blocks
-        (nothing to order where copies finish before they return)."""
-
-    def write_layers(self, layers: range, decoded: Decoded) -> None:
-        """Each layer's part of ``decoded`` through the object layout, its group's span checked once per object."""
-        targets: dict[int, Target | None] = {}
-        for part, layer in zip(decoded.kv.unbind(0), layers):
-            group = self.cache_groups[layer]
-            if group not in targets:
-                span = decoded.spans[group]  # a window group may hold none of this chunk's blocks
-                targets[group] = self.objects.target(self.layouts[layer], span.slots, span.first_token) if span.slots else None
-            if (target := targets[group]) is not None:
-                self.objects.write_to(self.layouts[layer], self.caches[layer], target, part)
-
-
-class HostPlacement(Placement):
-    """Caches in host memory: decode on a decode (or fetch) thread, scatter with each layer's page layout."""
-
-    def decode(self, blob: bytes, header: ChunkHeader, spans: list[Span]) -> Decoded:
-        return Decoded(decode_payload(blob, header, borrow=True), spans)  # only read: the scatter's source
-
-    def scatter(self, layers: range, decoded: Decoded) -> None:
-        self.write_layers(layers, decoded)
 
 
 class Fetcher:
@@ -204,7 +124,7 @@ class Fetcher:
         self.objects = self.placement.objects = object_layout_for(addresses.namespace.layout_id)
         self._pool = started_pool(threads, "kvcodec-fetch", _warm_thread)
         self._decode_pool: ThreadPoolExecutor | None = None
-        self._cache_bytes: dict[int, LayerBytes] = {}  # per layer, for reads in place
+        self.pages = PageGeometry(caches, layouts, self.placement.cache_groups)  # reads in place, copies into pages
         self._batches_left = 0  # batches queued or running, over every job (settle)
         self._settled = threading.Condition()
         #: Told of each object decoded from fetched bytes (key, bytes, header), after it landed: the save path's
@@ -345,6 +265,10 @@ class Fetcher:
         """Page objects into host caches: what reads in place and ``copy_into`` write (by page extents)."""
         return isinstance(self.objects, PageObjects) and type(self.placement) is HostPlacement
 
+    def _page_runs(self, layers: list[int], spans: list[Span], header: ChunkHeader) -> list[PageRun] | None:
+        """Where a page object into host caches goes, run by run (None: elsewhere, or not landing whole)."""
+        return self.pages.runs(layers, spans, header) if self._host_pages() else None
+
     def _reads_in_place(self) -> bool:
         return self._host_pages() and self.store.ranged_reads
 
@@ -380,59 +304,13 @@ class Fetcher:
                 t1 = time.perf_counter()
                 self._decode_scatter(job, group, chunk, key, blob)
                 return Read(len(blob), t1 - t0, t1)
-            buffers = self._page_buffers(runs)
+            buffers = self.pages.buffers(runs)
             check_s = read_pages_into(value, head, header, buffers, lambda read: self._write(job, read))
         t1 = time.perf_counter()
         job.account(cpu_s=check_s)
         self._loaded(group, chunk, header, value.size, decode_s=check_s, scatter_s=0.0, on_device=False)
         self.stats.add(objects_read_in_place=1)
         return Read(value.size, t1 - t0 - check_s, t1 - check_s)
-
-    def _page_runs(self, layers: list[int], spans: list[Span], header: ChunkHeader) -> list[PageRun] | None:
-        """Where a page object's bytes go in host caches, in payload order; None unless it lands whole in one
-        group's blocks (then the placement writes it)."""
-        if not self._host_pages():
-            return None
-        groups = {self.placement.cache_groups[layer] for layer in layers}
-        span = spans[groups.pop()] if len(groups) == 1 else None
-        if span is None or not span.slots:
-            return None
-        first = self.layouts[layers[0]]
-        bs = first.block_size
-        if span.first_token % bs or len(span.slots) != header.shape[1 + first.block_axis] * bs:
-            return None
-        runs = block_runs(PageObjects.block_list(span.slots, bs))
-        out: list[PageRun] = []
-        extents: list[tuple[int, int]] | None = None
-        seen: tuple[object, ...] | None = None
-        for layer in layers:
-            same = self._layer_bytes(layer).geometry
-            if extents is None or same != seen:  # layers alike (layout, shape, strides, dtype) share the extents
-                extents, seen = self.layouts[layer].page_extents(self.caches[layer], runs), same
-                if extents is None:
-                    return None
-            out += [PageRun(layer, at, n) for at, n in extents]
-        return out
-
-    def _page_buffers(self, runs: list[PageRun]) -> list[memoryview]:
-        return [self._layer_bytes(r.layer).raw[r.offset : r.offset + r.nbytes] for r in runs]
-
-    def _page_extents(self, runs: list[PageRun]) -> PageExtents:
-        """The runs as addresses for a kernel: each layer's base plus the offset, no view or array per run
-        (building those cost 2 ms of a 4096-token load)."""
-        layers = {r.layer for r in runs}
-        return PageExtents.within([self._layer_bytes(layer).raw for layer in layers],
-                                  [self._layer_bytes(r.layer).address + r.offset for r in runs], [r.nbytes for r in runs])
-
-    def _layer_bytes(self, layer: int) -> LayerBytes:
-        """Computed once per layer: caches never change."""
-        if (known := self._cache_bytes.get(layer)) is None:
-            cache, layout = self.caches[layer], self.layouts[layer]
-            raw = cache_bytes(cache) if cache.device.type == "cpu" and cache.is_contiguous() else memoryview(b"")
-            address = np.frombuffer(raw, dtype=np.uint8).ctypes.data if raw.nbytes else 0
-            known = self._cache_bytes[layer] = LayerBytes(raw, (type(layout), layout.geometry, tuple(cache.shape),
-                                                                tuple(cache.stride()), cache.dtype, raw.nbytes), address)
-        return known
 
     @staticmethod
     def _write(job: LoadJob, write: Callable[[], _R]) -> _R:
@@ -472,12 +350,12 @@ class Fetcher:
         where the codec can (decode and scatter are then one pass, counted as decode), else decoded and copied
         there. Returns when its decode ended."""
         raw = is_raw(header)
-        if not raw and self._write(job, lambda: decode_payload_into(blob, header, self._page_extents(runs))):
+        if not raw and self._write(job, lambda: decode_payload_into(blob, header, self.pages.extents(runs))):
             self.stats.add(objects_decoded_into_pages=1)
             return time.perf_counter()
         pages = payload_of(blob, header) if raw else tensor_bytes(decode_payload(blob, header))
         decoded = time.perf_counter()
-        self._write(job, lambda: copy_into(pages, self._page_buffers(runs)))
+        self._write(job, lambda: copy_into(pages, self.pages.buffers(runs)))
         return decoded
 
     def _loaded(self, group: int, chunk: ChunkLoad, header: ChunkHeader, nbytes: int, *, decode_s: float,

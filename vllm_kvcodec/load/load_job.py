@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from vllm_kvcodec.outcomes import LoadOutcome
+from vllm_kvcodec.plans.outcomes import LoadOutcome
 
 
 class LoadJob:
@@ -44,10 +44,6 @@ class LoadJob:
         self._pending[(group, obj)] = (req_id, chunk_hash, block_ids)
         self._left[req_id] += 1
         self._chunks.setdefault(req_id, {}).setdefault(chunk_hash, True)
-
-    @property
-    def failed_reqs(self) -> set[str]:
-        return {req_id for req_id, chunks in self._chunks.items() if not all(chunks.values())}
 
     def outcomes(self) -> dict[str, LoadOutcome]:
         """Per request: the chunks now in place in every layer group, and the chunks that failed in any."""

@@ -45,13 +45,13 @@ from vllm.v1.kv_offload.tiering.base import JobResult, ScheduleEndContext, Secon
 
 from storage import Store, open_store
 from storage.outage import OutageGuard
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.format import TokenDigests
 from vllm_kvcodec.offload_tier import engine_context
 from vllm_kvcodec.offload_tier.namespace import store_key, tier_namespace
 from vllm_kvcodec.offload_tier.proofs import RowProofs
 from vllm_kvcodec.offload_tier.rows import RowCodec
-from vllm_kvcodec.token_digests import TokenMismatchError
+from vllm_kvcodec.keys.token_digests import TokenMismatchError
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec

@@ -6,7 +6,7 @@ hashes and ``cache_salt``, under vLLM's hash algorithm and seed. It names a
 prefix, not its KV: engines with other weights under the same model name (a
 fine-tune deployed at the same path), other ``hf_overrides``, kernels, KV dtype,
 row geometry or parallel layout hold other bytes under the same key. So the
-namespace is the connector's own (:class:`~vllm_kvcodec.keys.Namespace`, built
+namespace is the connector's own (:class:`~vllm_kvcodec.keys.chain.Namespace`, built
 with the connector's identity functions: the weights fingerprint, the model
 config inputs, the compute identity), with the CPU-tier row's geometry as its
 layout (not the rank: a scheduler row holds every worker's pages), and a block
@@ -21,10 +21,10 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvcodec import key_hash
+from vllm_kvcodec.keys import key_hash
 from vllm_kvcodec.connector.cache_identity import cache_dtype_name, compute_dtype_name
-from vllm_kvcodec.identity import compute_identity, config_inputs, model_identity
-from vllm_kvcodec.keys import Namespace
+from vllm_kvcodec.keys.identity import compute_identity, config_inputs, model_identity
+from vllm_kvcodec.keys.chain import Namespace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

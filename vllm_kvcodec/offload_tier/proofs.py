@@ -7,7 +7,7 @@ engines needs a PYTHONHASHSEED they share, so its seed is no secret and a
 tenant who chooses prompts could craft one whose block hashes are another
 prompt's. Nor does a key bind a row to it: a writer that keyed a request
 wrongly stores intact KV under another prompt's key. So every row records the
-connector's token digests (:mod:`~vllm_kvcodec.token_digests`) of the tokens it
+connector's token digests (:mod:`~vllm_kvcodec.keys.token_digests`) of the tokens it
 was computed from, one per vLLM block of the row, each chained from the
 namespace, the request's context (``cache_salt``, the LoRA adapter with a
 fingerprint of its files, media) and every token before it, with SHA-256
@@ -25,9 +25,9 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext, get_offload_group_id
 
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.format import MAX_TOKEN_DIGESTS, TokenDigests
-from vllm_kvcodec.identity import PromptIdentity, prompt_identity
-from vllm_kvcodec.keys import Namespace, extend_chunk_hashes
-from vllm_kvcodec.token_digests import token_digests
+from vllm_kvcodec.keys.identity import PromptIdentity, prompt_identity
+from vllm_kvcodec.keys.chain import Namespace, extend_chunk_hashes
+from vllm_kvcodec.keys.token_digests import token_digests
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.config import OffloadingConfig

@@ -18,10 +18,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import ChunkFormatError, ConfigError
 from vllm_kvcodec.format import TokenDigests, decode_payload, encode_chunk, read_header
-from vllm_kvcodec.token_digests import check_tokens
+from vllm_kvcodec.keys.token_digests import check_tokens
 
 
 class RowCodec:

@@ -59,7 +59,7 @@ from vllm_kvcodec.errors import ConfigError
 #: Namespace shared by every canonical layout (see the module docstring).
 CANONICAL_NAMESPACE = "canonical-v1"
 
-#: dtypes a canonical layout can hold (what a chunk can hold, see dtypes.py).
+#: dtypes a canonical layout can hold (what a chunk can hold, see codecs/dtypes.py).
 CANONICAL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 #: The 1-byte formats of vLLM's fp8 KV caches. vLLM allocates those caches as ``torch.uint8``
 #: (``STR_DTYPE_TO_TORCH_DTYPE``); a layout for one reads them as the float8 format they hold.

@@ -26,7 +26,7 @@ import torch
 from vllm_kvcodec.gpu.block_reads import BlockReads, layout_blocks
 from vllm_kvcodec.gpu.scatter_triton import check_slots, packed_pages_for
 from vllm_kvcodec.gpu.side_stream import SideStream
-from vllm_kvcodec.outcomes import SaveOutcome
+from vllm_kvcodec.plans.outcomes import SaveOutcome
 from vllm_kvcodec.paged import PagedLayout
 from vllm_kvcodec.paged.objects import ObjectLayout, PageObjects
 from vllm_kvcodec.save.gather_base import SaveGather, SaveSink, SaveSpecLike

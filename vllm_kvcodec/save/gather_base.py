@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from vllm_kvcodec.outcomes import SaveOutcome
+from vllm_kvcodec.plans.outcomes import SaveOutcome
 from vllm_kvcodec.paged.objects import CanonicalObjects, ObjectLayout
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ class SaveSink(Protocol):
                digests: "TokenDigests | None" = None, hold: Collection[int] = ()) -> bool: ...
 
 
-#: ``(req_id, chunk_hash, group_slots)`` of one chunk to save (a :class:`~vllm_kvcodec.connector.metadata.SaveSpec`).
+#: ``(req_id, chunk_hash, group_slots)`` of one chunk to save (a :class:`~vllm_kvcodec.plans.saves.SaveSpec`).
 SaveSpecLike = Any
 
 

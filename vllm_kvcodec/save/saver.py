@@ -23,22 +23,21 @@ from concurrent.futures import Future
 import torch
 
 from storage import Store
-from vllm_kvcodec.block_refs import Ref, encode_ref, ref_key
-from vllm_kvcodec.codecs.choice import CodecChooser
+from vllm_kvcodec.keys.block_refs import Ref, encode_ref, ref_key
+from vllm_kvcodec.save.codec_choice import CodecChooser
 from vllm_kvcodec.format import TokenDigests, encode_chunk
-from vllm_kvcodec.keys import ObjectAddresses
-from vllm_kvcodec.outcomes import SaveOutcome
+from vllm_kvcodec.keys.chain import ObjectAddresses
+from vllm_kvcodec.plans.outcomes import SaveOutcome
 from vllm_kvcodec.save.held_saves import HeldSaves, Released
 from vllm_kvcodec.stats import ConnectorStats
-from vllm_kvcodec.thread_pools import started_pool
-from vllm_kvcodec.torch_threads import one_torch_thread
+from vllm_kvcodec.runtime.threads import one_torch_thread, started_pool
 
 logger = logging.getLogger("vllm_kvcodec")
 DROP_LOG_INTERVAL_S = 10.0
 
 
 def yield_to_engine(nice: int) -> None:
-    """One torch thread (:mod:`vllm_kvcodec.torch_threads`), CPU priority lowered by ``nice`` (Linux: per thread).
+    """One torch thread (:mod:`vllm_kvcodec.runtime.threads`), CPU priority lowered by ``nice`` (Linux: per thread).
 
     Encoding is background work with a deadline of "before the chunk is asked
     for"; the engine's threads computing the next step are on every request's
@@ -146,8 +145,8 @@ class Saver:
                tokens: int | None = None, refs: Sequence[tuple[str, int]] = (),
                digests: TokenDigests | None = None, hold: Collection[int] = ()) -> bool:
         """Queue ``kv`` ``[layers, 2, chunk, heads, dim]`` for encoding and storing (its bytes reserved, or not yet);
-        every object records ``digests`` of its tokens (:mod:`~vllm_kvcodec.token_digests`); once it landed, rank 0
-        writes its block refs ``refs`` (prefix hash and tokens each; see :mod:`~vllm_kvcodec.block_refs`).
+        every object records ``digests`` of its tokens (:mod:`~vllm_kvcodec.keys.token_digests`); once it landed, rank 0
+        writes its block refs ``refs`` (prefix hash and tokens each; see :mod:`~vllm_kvcodec.keys.block_refs`).
         ``hold``: the loads it was computed after whose every-worker outcome is not known yet (see ``held``)."""
         nbytes = kv.numel() * kv.element_size()
         job = _Job(chunk_hash, kv, nbytes, req_id, kv.shape[2] if tokens is None else tokens, tuple(refs), digests)

@@ -42,11 +42,11 @@ from concurrent.futures import Future
 import torch
 
 from storage import Store
-from vllm_kvcodec.codecs.choice import CodecChooser
+from vllm_kvcodec.save.codec_choice import CodecChooser
 from vllm_kvcodec.format import ChunkHeader, decode_chunk, decode_payload, encode_chunk, read_header
 from vllm_kvcodec.save.saver import yield_to_engine
 from vllm_kvcodec.stats import ConnectorStats
-from vllm_kvcodec.thread_pools import started_pool
+from vllm_kvcodec.runtime.threads import started_pool
 
 logger = logging.getLogger("vllm_kvcodec")
 #: Fetched object bytes held for upgrading at once (what a burst of hits on fallback-coded objects may pin).

@@ -305,6 +305,18 @@ def _progress(what: str) -> Iterator[Callable[[], None]]:
 
 
 @app.command()
+def layout(root: Optional[Path] = typer.Argument(None, help="A checkout (the folder holding vllm_kvcodec/ and "
+                                                                "storage/); default: where this package is installed.")) -> None:
+    """The package's rooms in layers, its largest files and any import circle (exit 1 if there is one)."""
+    from vllm_kvcodec.tools.layout import read_layout, report
+
+    found = read_layout(root if root is not None else Path(__file__).resolve().parents[2])
+    typer.echo(report(found))
+    if found.module_circles() or found.room_circles():
+        raise typer.Exit(1)
+
+
+@app.command()
 def inspect(store: str = typer.Argument(..., help="Store URL, e.g. redis://host:6379/0 or file:///path.")) -> None:
     """Namespaces, chunk and object counts, bytes stored vs raw, average ratio and codecs in a store (read-only)."""
     from storage import StoreError, open_store

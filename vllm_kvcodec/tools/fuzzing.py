@@ -37,9 +37,9 @@ import xxhash
 from vllm_kvcodec.codecs import get_codec
 from vllm_kvcodec.codecs.base import Codec
 from vllm_kvcodec.codecs.into_pages import PageExtents
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import ChunkFormatError
-from vllm_kvcodec.format import _FIXED, decode_chunk, encode_chunk, read_header
+from vllm_kvcodec.format.container import _FIXED, decode_chunk, encode_chunk, read_header
 
 #: traced allocations of one decode may reach ALLOC_FACTOR x declared bytes + ALLOC_SLACK
 ALLOC_FACTOR = 8
@@ -425,10 +425,6 @@ def make_target(name: str, kv: torch.Tensor, video: bool = True) -> Target:
         return out
 
     return Target(name, seeds, make_chunk_raw, decode_raw_mutation)
-
-
-def make_targets(kv: torch.Tensor, video: bool = True) -> list[Target]:
-    return [make_target(name, kv, video) for name in target_names(video)]
 
 
 def is_format_error(exc: BaseException) -> bool:

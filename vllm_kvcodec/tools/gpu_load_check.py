@@ -24,9 +24,9 @@ import torch
 
 from storage import open_store
 from vllm_kvcodec.format import encode_chunk
-from vllm_kvcodec.keys import Namespace, ObjectAddresses
+from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses
 from vllm_kvcodec.paged import Geometry, PackedKVLayout
-from vllm_kvcodec.spans import Span
+from vllm_kvcodec.plans.spans import Span
 
 #: Physical orders of the 4-D logical view [blocks, heads, block_size, 2*head]:
 #: vLLM 0.33's NHD default (LBNHC: tokens before heads) and HND (LBHNC).

@@ -96,7 +96,7 @@ class _Ctx:
         self.device = torch.device(device)
         try:
             from vllm_kvcodec.codecs.splitzip import SplitZipCodec
-            from vllm_kvcodec.dtypes import DType
+            from vllm_kvcodec.codecs.dtypes import DType
 
             codec = SplitZipCodec()
             self.cpu_encode = lambda bits: codec.encode(bits, DType.BFLOAT16)
@@ -220,7 +220,7 @@ def _other(ctx: _Ctx, name: str, datasets: dict[str, np.ndarray]) -> str:
         kv = _kv(datasets)
         shape = (2, 2, kv.size // 4) if kv.size % 4 == 0 else (kv.size,)
         t = ctx.tensor(kv).reshape(shape)
-        from vllm_kvcodec.device_chunks import SplitZipGPU
+        from vllm_kvcodec.format.device_chunks import SplitZipGPU
 
         blob = SplitZipGPU().encode_chunk_gpu(t)
         assert blob == encode_chunk(t.cpu(), "splitzip"), "GPU chunk blob differs from encode_chunk's"
@@ -230,13 +230,13 @@ def _other(ctx: _Ctx, name: str, datasets: dict[str, np.ndarray]) -> str:
 
         kv = _kv(datasets)
         t = ctx.tensor(kv)
-        from vllm_kvcodec.device_chunks import SplitZipGPU
+        from vllm_kvcodec.format.device_chunks import SplitZipGPU
 
         got = SplitZipGPU().decode_chunk_gpu(encode_chunk(t.cpu(), "splitzip"), ctx.device)
         assert got.device.type == ctx.device.type and np.array_equal(ctx.bits(got), kv)
         return f"{kv.size} values"
     if name == "chunk_fallbacks":
-        from vllm_kvcodec.device_chunks import SplitZipGPU
+        from vllm_kvcodec.format.device_chunks import SplitZipGPU
         from vllm_kvcodec.format import decode_chunk, encode_chunk
 
         zgpu = SplitZipGPU()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_kvcodec.cache_dir import cache_dir
+from vllm_kvcodec.runtime.cache_dir import cache_dir
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

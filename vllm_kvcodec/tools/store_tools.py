@@ -13,10 +13,10 @@ import dataclasses
 from collections.abc import Callable, Iterator
 
 from storage import Store
-from vllm_kvcodec.block_refs import is_ref_key
+from vllm_kvcodec.keys.block_refs import is_ref_key
 from vllm_kvcodec.errors import ChunkFormatError
 from vllm_kvcodec.format import ChunkHeader, decode_payload, read_header
-from vllm_kvcodec.keys import KEY_PREFIX
+from vllm_kvcodec.keys.chain import KEY_PREFIX
 
 
 @dataclasses.dataclass
@@ -26,7 +26,7 @@ class StoreSummary:
     stored_bytes: int = 0  # the sound ones' bytes
     raw_bytes: int = 0
     damaged_objects: list = dataclasses.field(default_factory=list)  # (key, reason)
-    refs: int = 0  # block refs (block_refs.py): tiny index entries, not chunk objects
+    refs: int = 0  # block refs (keys/block_refs.py): tiny index entries, not chunk objects
     ref_bytes: int = 0
     namespaces: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     codecs: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # sound objects per codec

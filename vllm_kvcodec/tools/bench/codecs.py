@@ -18,7 +18,7 @@ from rich.progress import Progress
 from vllm_kvcodec.tools.bench.report import console, machine, table, write_json
 from vllm_kvcodec.codecs import codec_ids, get_codec
 from vllm_kvcodec.format import decode_chunk, encode_chunk
-from vllm_kvcodec.malloc_tuning import reuse_large_buffers
+from vllm_kvcodec.runtime.malloc import reuse_large_buffers
 
 YARDSTICK = {"id": "zstd", "level": 1}
 

@@ -38,11 +38,12 @@ import torch
 from storage import open_store
 from storage.testing.faults import FAULT_KINDS, FaultInjector, find_fault_injector
 from vllm_kvcodec.tools.bench.report import console, machine, table, write_json
-from vllm_kvcodec.codecs.choice import CodecChooser
+from vllm_kvcodec.save.codec_choice import CodecChooser
 from vllm_kvcodec.load.fetcher import Fetcher
-from vllm_kvcodec.keys import Namespace, ObjectAddresses, chunk_hashes
+from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses, chunk_hashes
 from vllm_kvcodec.load.load_job import LoadJob
-from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec, Span
+from vllm_kvcodec.plans.loads import ChunkLoad, LoadSpec
+from vllm_kvcodec.plans.spans import Span
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, CpuAttnVecLayout, Geometry
 from vllm_kvcodec.save.saver import Saver
 from vllm_kvcodec.stats import ConnectorStats

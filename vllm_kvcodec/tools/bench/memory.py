@@ -89,8 +89,8 @@ def _setup(tokens: int, store_url: str, codec: str) -> dict[str, Any]:
 
     from storage import open_store
     from vllm_kvcodec.connector.config import ConnectorConfig
-    from vllm_kvcodec.keys import Namespace, ObjectAddresses, chunk_hashes
-    from vllm_kvcodec.malloc_tuning import reuse_large_buffers
+    from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses, chunk_hashes
+    from vllm_kvcodec.runtime.malloc import reuse_large_buffers
     from vllm_kvcodec.paged import CANONICAL_NAMESPACE, layout_for
     from vllm_kvcodec.tools.smollm2 import real_kv
 
@@ -131,7 +131,7 @@ def _save_phase(env: dict[str, Any], codec: str, threads: int, max_pending: int,
     """The worker's save path, step by step: the real CPU gather (budget reserved before each copy), then the Saver."""
     from types import SimpleNamespace
 
-    from vllm_kvcodec.codecs.choice import CodecChooser
+    from vllm_kvcodec.save.codec_choice import CodecChooser
     from vllm_kvcodec.stats import ConnectorStats
     from vllm_kvcodec.format import decode_chunk, encode_chunk
     from vllm_kvcodec.save.gather import CpuSaveGather
@@ -165,7 +165,8 @@ def _save_phase(env: dict[str, Any], codec: str, threads: int, max_pending: int,
 def _load_phase(env: dict[str, Any], threads: int) -> dict[str, Any]:
     from vllm_kvcodec.load.fetcher import Fetcher
     from vllm_kvcodec.format import decode_chunk
-    from vllm_kvcodec.connector.metadata import ChunkLoad, LoadSpec, Span
+    from vllm_kvcodec.plans.loads import ChunkLoad, LoadSpec
+    from vllm_kvcodec.plans.spans import Span
     from vllm_kvcodec.stats import ConnectorStats
 
     caches, layout, addresses = env["caches"], env["layout"], env["addresses"]

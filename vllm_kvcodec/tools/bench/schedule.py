@@ -85,7 +85,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 def _fill_store(tmp: Path, prompts: list[list[int]]) -> None:
     """Every full chunk of every prompt present in the store (lookups ask existence only: a few bytes each)."""
     from storage import open_store
-    from vllm_kvcodec.keys import chunk_hashes, chunk_object_keys
+    from vllm_kvcodec.keys.chain import chunk_hashes, chunk_object_keys
 
     scheduler = _scheduler(tmp, f"file://{tmp / 'store'}", "sync")
     half = scheduler.connector.scheduler

@@ -254,7 +254,7 @@ def _counters(scrape: dict[tuple[str, frozenset], float]) -> dict[str, float]:
 def _stored(url: str) -> dict[str, Any]:
     """What the store holds: objects, their bytes, and the raw KV bytes their headers say they hold."""
     from storage import open_store
-    from vllm_kvcodec.block_refs import is_ref_key
+    from vllm_kvcodec.keys.block_refs import is_ref_key
     from vllm_kvcodec.format import read_header
 
     objects = stored = raw = 0

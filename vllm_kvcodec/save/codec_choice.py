@@ -39,14 +39,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from vllm_kvcodec.codecs import Codec, get_codec
-from vllm_kvcodec.codecs.link_estimate import LinkEstimate
+from vllm_kvcodec.save.link_estimate import LinkEstimate
 from vllm_kvcodec.codecs.policy import AUTO, AUTO_CANDIDATES, encode_rank
 from vllm_kvcodec.format import decode_chunk, encode_chunk
+
+if TYPE_CHECKING:
+    from storage import Store
 
 logger = logging.getLogger("vllm_kvcodec")
 
@@ -163,6 +166,37 @@ class CodecChooser:
         )
 
 
+#: The object codec ``auto`` reads back at start-up to learn the store's read bandwidth (34 ms at 1 Gbit/s).
+PROBE_BYTES = 4 << 20
+
+
+def probe_link(store: "Store", key: str, chooser: CodecChooser, probes: int = 3) -> None:
+    """What ``auto`` needs before the first load: the store's latency (empty lookups, which no transfer must read as
+    bandwidth) and its read bandwidth (a probe object put under ``key``, which no chunk has, read back, deleted).
+
+    A saving instance otherwise knows only its puts, which run far below
+    its reads (a file store writing pages): auto then saved denser codecs
+    where raw loaded fastest. A store that refuses the probe (read-only,
+    down) leaves the estimate to the transfers that follow.
+    """
+    try:
+        for _ in range(probes):
+            t0 = time.perf_counter()
+            store.exists_many([key])
+            chooser.observe_round_trip(time.perf_counter() - t0)
+        store.put(key, bytes(PROBE_BYTES))
+        try:
+            for _ in range(probes):
+                t0 = time.perf_counter()
+                blob = store.get(key)
+                t1 = time.perf_counter()
+                chooser.observe_read(len(blob or b""), t1 - t0, end=t1)
+        finally:
+            store.delete(key)
+    except Exception as exc:  # noqa: BLE001 - a store not up yet: auto starts from its initial figure
+        logger.info("kvcodec auto: probing the store failed (%s); the link estimate starts from transfers", exc)
+
+
 def expected_seconds_per_byte(ratio: float, decode_Bps: float, link_Bps: float, parallel: int, *, on_cpu: bool,
                               reads_cost_cpu: bool, decode_takes_prefill_cores: bool) -> float:
     """Seconds per raw byte a load of this codec is expected to take (the module docstring's model).
@@ -182,7 +216,7 @@ def cuda_decode_paths(device: torch.device, decode_threads: int) -> dict[str, De
     """The decode paths of a CUDA engine's fetcher: Triton SplitZip on ``device`` (bf16), and NVDEC for ``video``
     where it works here (as many sessions as the GPU has NVDEC engines, at most the threads). Codecs left out
     decode on the CPU threads."""
-    from vllm_kvcodec.device_chunks import SplitZipGPU, decode_video_chunk_nvdec
+    from vllm_kvcodec.format.device_chunks import SplitZipGPU, decode_video_chunk_nvdec
     from vllm_kvcodec.gpu import nvcodec
 
     gpu = SplitZipGPU()

@@ -8,7 +8,7 @@ key in the header), so a reader that knows which key it asked for can tell a
 swapped or misplaced object, which a checksum alone cannot: it is intact, just
 not the chunk that was asked for. A chunk may also record the token ids it
 was computed from (flag ``TOKEN_DIGESTS``: a chained digest per few tokens,
-see :mod:`vllm_kvcodec.token_digests`), so a reader can check that an object
+see :mod:`vllm_kvcodec.keys.token_digests`), so a reader can check that an object
 holds *its prompt's* KV before a byte reaches paged memory, whatever key or
 ref led to it. And it may carry a digest of its decoded values (flag
 ``VALUE_DIGEST``: a segmented XXH3-64 whose segments a device hashes in
@@ -34,7 +34,7 @@ import xxhash
 
 from vllm_kvcodec.codecs import get_codec, policy
 from vllm_kvcodec.codecs.base import Codec
-from vllm_kvcodec.dtypes import DType, bits_to_tensor, tensor_to_bits
+from vllm_kvcodec.codecs.dtypes import DType, bits_to_tensor, tensor_to_bits
 from vllm_kvcodec.errors import ChunkFormatError, ConfigError, KVCodecError
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ MIN_DIGEST_SEGMENT, MAX_DIGEST_SEGMENT = 1 << 10, 1 << 30
 #: XXH3 hashes inputs up to this length without its accumulator loop; a last segment this short joins the one before.
 DIGEST_SHORT_TAIL = 240
 _DIGESTS_HEAD = struct.Struct("<HH")
-#: Bytes of each token digest (a truncated SHA-256 or XXH3-128, see token_digests.py).
+#: Bytes of each token digest (a truncated SHA-256 or XXH3-128, see keys/token_digests.py).
 TOKEN_DIGEST_BYTES = 16
 #: Token digests one header may hold: 16 KiB of them, a 16k-token object at 16 tokens per digest.
 MAX_TOKEN_DIGESTS = 1024
@@ -430,7 +430,9 @@ def _load_config(raw: memoryview) -> dict[str, Any]:
 
 
 __all__ = [
-    "ChunkFormatError", "ChunkHeader", "KEY_BOUND", "KVCodecError", "MAGIC", "TOKEN_DIGESTS", "TokenDigests",
-    "VALUE_DIGEST", "VERSION", "ValueDigest", "build_chunk", "decode_chunk", "decode_payload", "digest_segments", "encode_chunk", "header_length", "key_digest",
-    "parse_header", "read_header", "value_digest", "verify_checksum", "verify_value_digest",
+    "CHECKSUM_BYTES", "ChunkFormatError", "ChunkHeader", "FIXED_HEADER_BYTES", "KEY_BOUND", "KVCodecError", "MAGIC",
+    "MAX_HEADER_BYTES", "MAX_TOKEN_DIGESTS", "TOKEN_DIGESTS", "TOKEN_DIGEST_BYTES", "TokenDigests", "VALUE_DIGEST",
+    "VERSION", "ValueDigest", "build_chunk", "decode_chunk", "decode_payload", "decode_payload_into", "digest_segments",
+    "encode_chunk", "header_length", "key_digest", "parse_header", "payload_of", "read_header", "value_digest",
+    "verify_checksum", "verify_value_digest",
 ]

@@ -4,15 +4,15 @@ The namespace digests everything that makes two chunks' bytes incomparable:
 model identity (weights fingerprint, or a hub model's commit), dtype (``fp8_e4m3`` /
 ``fp8_e5m2`` for fp8 caches, with a digest of their per-layer scales, and the
 compute dtype where the cache holds another), KV geometry, the content layout,
-the compute identity (platform, kernels, versions; see identity.py),
+the compute identity (platform, kernels, versions; see keys/identity.py),
 tensor-parallel size, chunking, layer grouping, the token digests' unit where it
 is not 16, and format version, the
 model-config inputs that change KV for the same weights (``hf_overrides`` and
-the like, see identity.py), the key hash itself, plus an optional deployment
+the like, see keys/identity.py), the key hash itself, plus an optional deployment
 salt, and whether every rank holds the same KV (``kv_replicated``). A chunk's key covers the whole prefix up to it
 (``h_i = H(h_{i-1} || tokens_i || media_i)``, seeded by the request's salt and
 LoRA adapter), so equal keys mean equal prefixes in equal contexts. ``H`` is SHA-256
-unless the deployment opted into XXH3-128 (:mod:`~vllm_kvcodec.key_hash`), over explicit little-endian bytes:
+unless the deployment opted into XXH3-128 (:mod:`~vllm_kvcodec.keys.key_hash`), over explicit little-endian bytes:
 stable across processes, machines and Python versions (no ``hash()``, no pickle).
 The tensor-parallel rank and the layer group are path parts of the object key;
 a replicated cache (MLA's latent under tensor parallelism: every rank holds the
@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from vllm_kvcodec import key_hash
+from vllm_kvcodec.keys import key_hash
 from vllm_kvcodec.format import VERSION as FORMAT_VERSION
-from vllm_kvcodec.identity import PLAIN, PromptIdentity
+from vllm_kvcodec.keys.identity import PLAIN, PromptIdentity
 
 KEY_PREFIX = "kvc"
 
@@ -53,7 +53,7 @@ class Namespace:
     salt: str = ""
     compute: str = ""  # identity.compute_identity, or "" where chunks are shared across platforms
     format_version: int = FORMAT_VERSION
-    # The key chain's hash (key_hash.py): objects saved under one algorithm are never found under another.
+    # The key chain's hash (keys/key_hash.py): objects saved under one algorithm are never found under another.
     hash_algo: str = key_hash.SHA256
     # Objects are key-bound chunks (format flag KEY_BOUND) and readers require it; part of the
     # digest so that unbound objects written before this rule are never found, never re-read.

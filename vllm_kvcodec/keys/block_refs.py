@@ -23,7 +23,7 @@ tail stored under the ref's own prefix is still there, that tail is loaded.
 A ref is bound to its key: its value names the prefix it is stored under
 (and that prefix's length), so a value returned for another key is no ref.
 What it leads to is checked again where it matters, at the load: the object
-must record the prompt's own tokens (:mod:`~vllm_kvcodec.token_digests`).
+must record the prompt's own tokens (:mod:`~vllm_kvcodec.keys.token_digests`).
 
 A tail object's own length gets a ref too (pointing at itself), so one read
 of refs answers every candidate; a full chunk is found by its chunk hash.
@@ -35,11 +35,11 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
-from vllm_kvcodec.identity import PLAIN, PromptIdentity
-from vllm_kvcodec.keys import KEY_PREFIX, Namespace, tail_hash
+from vllm_kvcodec.keys.identity import PLAIN, PromptIdentity
+from vllm_kvcodec.keys.chain import KEY_PREFIX, Namespace, tail_hash
 
 _MAGIC = b"kvcref2 "
-_HASH = re.compile(rb"[0-9a-f]{32}|[0-9a-f]{64}")  # an XXH3-128 or a SHA-256 key (key_hash.py)
+_HASH = re.compile(rb"[0-9a-f]{32}|[0-9a-f]{64}")  # an XXH3-128 or a SHA-256 key (keys/key_hash.py)
 _MAX_REF_BYTES = 192
 
 

@@ -25,8 +25,8 @@ CHILD = r"""
 import json, sys, torch
 import numba.core.registry
 from vllm_kvcodec.codecs import get_codec
-from vllm_kvcodec.codecs.warmup import warm_up
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.save.codec_warmup import warm_up
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.codecs.into_pages import PageExtents
 from vllm_kvcodec.format import decode_chunk, decode_payload_into, encode_chunk, read_header
 import vllm_kvcodec.codecs.into_pages, vllm_kvcodec.codecs.rans, vllm_kvcodec.codecs.rans_kernels

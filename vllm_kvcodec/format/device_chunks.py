@@ -27,10 +27,10 @@ import torch
 
 from vllm_kvcodec import format as fmt
 from vllm_kvcodec.codecs.video_layout import FrameGeometry, geometry
-from vllm_kvcodec.dtypes import DType
+from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import CodecError, ConfigError
 from vllm_kvcodec.format import ChunkHeader
-from vllm_kvcodec.gpu import nvcodec
+from vllm_kvcodec.gpu import nvcodec, nvdec_sessions
 
 #: Layout of the video payload header (``codecs.video._HEAD``; the tests check they agree).
 VIDEO_HEAD = struct.Struct("<HHIQ")  # width, height, frames, xxh3-64 of the exponent bytes
@@ -105,7 +105,7 @@ def decode_video_payload_nvdec(
     device-to-host copy of ``n`` bytes), as the CPU decoder does.
     ``planes_decoder`` replaces NVDEC; ``session`` is a decoder session or a
     :class:`~vllm_kvcodec.gpu.nvdec_sessions.SessionPool` (see
-    :func:`~vllm_kvcodec.gpu.nvcodec.nvdec_decode_planes`). The load path does
+    :func:`~vllm_kvcodec.gpu.nvdec_sessions.nvdec_decode_planes`). The load path does
     not come here: :mod:`vllm_kvcodec.load.cuda_placement` joins and checks on the device.
     """
     device = torch.device(device)
@@ -113,7 +113,7 @@ def decode_video_payload_nvdec(
     if planes_decoder is not None:
         planes = planes_decoder(bytes(parsed.stream), parsed.width, parsed.height, parsed.frames, device)
     else:
-        planes = nvcodec.nvdec_decode_planes(parsed.stream, parsed.width, parsed.height, parsed.frames, device,
+        planes = nvdec_sessions.nvdec_decode_planes(parsed.stream, parsed.width, parsed.height, parsed.frames, device,
                                              packet_sizes=parsed.packet_sizes, session=session)
     exps = nvcodec.planes_to_exponents(planes, parsed.geometry)
     if verify_hash:

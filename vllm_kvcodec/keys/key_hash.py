@@ -15,7 +15,7 @@ makes XXH3 weaker here than in vLLM's local cache.
 ``auto`` follows vLLM's own ``prefix_caching_hash_algo``, so one setting
 governs both caches: ``sha256`` and ``sha256_cbor`` give SHA-256,
 ``xxhash`` and ``xxhash_cbor`` XXH3-128 (with vLLM's warning). The name is
-part of the key namespace (:class:`~vllm_kvcodec.keys.Namespace`): objects
+part of the key namespace (:class:`~vllm_kvcodec.keys.chain.Namespace`): objects
 saved under one algorithm are simply not found under the other.
 """
 

@@ -23,7 +23,8 @@ logger = logging.getLogger("vllm_kvcodec")
 def warm_up(dtype: torch.dtype) -> dict[str, float]:
     """Encode and decode a small sample with every codec that holds ``dtype``; seconds per codec."""
     from vllm_kvcodec.codecs import codec_ids, get_codec
-    from vllm_kvcodec.dtypes import DType
+    from vllm_kvcodec.codecs.dtypes import DType
+    from vllm_kvcodec.errors import ConfigError
     from vllm_kvcodec.format import decode_chunk, encode_chunk
 
     wire = DType.from_torch(dtype)
@@ -33,7 +34,11 @@ def warm_up(dtype: torch.dtype) -> dict[str, float]:
     sample = values.to(dtype)
     seconds: dict[str, float] = {}
     for codec_id in codec_ids():
-        codec = get_codec(codec_id)
+        try:
+            codec = get_codec(codec_id)
+        except ConfigError as exc:  # an installed plug-in that does not import: it is refused where it is named
+            logger.warning("kvcodec: codec %s not warmed up: %s", codec_id, exc)
+            continue
         if not codec.supports(wire) or codec_id == "video":  # libav: no JIT, and its own start-up
             continue
         t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_kvcodec.codecs.choice import CodecChooser
+from vllm_kvcodec.save.codec_choice import CodecChooser
 
 
 def feed(chooser: CodecChooser, gbps: float, nbytes: int = 8 << 20, rtt: float = 0.0) -> None:
@@ -120,7 +120,7 @@ def test_reads_overrule_writes() -> None:
 def test_device_decode_paths_are_calibrated_and_weighed_as_the_fetcher_runs_them(real_chunks) -> None:
     """A CUDA engine's fetcher decodes splitzip on the device: auto times that path (not the CPU decode), counts
     its own parallelism, and never charges a device decode to the CPU prefill's cores."""
-    from vllm_kvcodec.codecs.choice import DecodePath, expected_seconds_per_byte
+    from vllm_kvcodec.save.codec_choice import DecodePath, expected_seconds_per_byte
     from vllm_kvcodec.format import decode_chunk
 
     calls: list[int] = []

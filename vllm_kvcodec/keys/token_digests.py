@@ -31,8 +31,8 @@ import numpy as np
 
 from vllm_kvcodec.errors import ChunkFormatError
 from vllm_kvcodec.format import TOKEN_DIGEST_BYTES, TokenDigests
-from vllm_kvcodec.identity import PLAIN, PromptIdentity
-from vllm_kvcodec.keys import Namespace, chain_link
+from vllm_kvcodec.keys.identity import PLAIN, PromptIdentity
+from vllm_kvcodec.keys.chain import Namespace, chain_link
 
 #: Tokens per digest, at most: a hit ends on a block boundary and vLLM's blocks are multiples of 16 where it
 #: runs on GPUs; a smaller block (or alignment) takes its own size (:func:`digest_unit`).
