@@ -21,6 +21,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from vllm_kvcodec.codecs.base import Codec
+from vllm_kvcodec.codecs.precision import Precision, parse_precision
+from vllm_kvcodec.codecs.quantized import ENTROPY
 from vllm_kvcodec.codecs.registry import get_codec
 from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
@@ -31,6 +33,8 @@ AUTO = "auto"
 AUTO_CANDIDATES = ("raw", "splitzip", "zstd", "rans")
 #: The default for float8 caches: zstd-3 gave 1.208x (e4m3) / 1.403x (e5m2) on SmolLM2's fp8 KV, zstd-1 1.188x / 1.381x.
 FLOAT8_DEFAULT: dict[str, Any] = {"id": "zstd", "level": 3}
+#: What codes a lossy level's integers unless told otherwise (see docs/codec-video.md for the comparison).
+DEFAULT_LOSSY_ENTROPY = "rans"
 
 CodecSpec = str | dict[str, Any]
 
@@ -45,6 +49,19 @@ def lossless_codec(spec: CodecSpec | Codec) -> Codec:
     if not codec.lossless:
         raise LossyCodecError(f"codec {codec.codec_id!r} is lossy; vllm-kvcodec only stores bit-exact KV")
     return codec
+
+
+def precision_codec(precision: "str | Precision | None", entropy: CodecSpec | None = None) -> Codec | None:
+    """The codec a lossy ``precision`` level stores with (LOSSY: NOT BIT-EXACT), ``entropy`` coding its integers
+    (None: :data:`DEFAULT_LOSSY_ENTROPY`); None for ``lossless``, where the lossless rules above apply. The one
+    door a lossy codec comes through: a precision level names it, never a codec setting."""
+    level = parse_precision(precision)
+    if level.lossless:
+        return None
+    if entropy is not None and not isinstance(entropy, str):
+        raise ConfigError(f"a lossy precision codes its integers with one of {', '.join(ENTROPY)}, not {entropy!r}")
+    return get_codec({"id": "quantized", "bits": level.bits, "sink_tokens": level.sink_tokens,
+                      "full_layers": level.full_layers, "entropy": entropy or DEFAULT_LOSSY_ENTROPY})
 
 
 def check_spec(spec: CodecSpec | None, allow_auto: bool) -> CodecSpec | None:

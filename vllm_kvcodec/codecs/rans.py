@@ -66,15 +66,7 @@ class RansCodec(Codec):
         exps3 = exps.reshape(channel_view(bits.shape, self.token_axis))
         medians = channel_medians(exps3)
         symbols = shift_channels(exps3, medians, -1).reshape(-1)
-        freqs = rk.quantize_frequencies(np.bincount(symbols, minlength=256))
-        present = np.flatnonzero(freqs)
-        table = np.empty(present.size, dtype=[("s", "u1"), ("f", "<u2")])
-        table["s"], table["f"] = present, freqs[present]
-        words = rk.encode_symbols(symbols, freqs).astype("<u2")
-        return b"".join(
-            (medians.tobytes(), np.uint16(present.size).tobytes(), table.tobytes(),
-             np.uint32(words.size).tobytes(), words.tobytes(), signman.tobytes())
-        )
+        return b"".join((medians.tobytes(), encode_plane(symbols), signman.tobytes()))
 
     def decode(self, payload: memoryview, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
         exps, signman = self._planes(payload, dtype, shape)
@@ -93,18 +85,36 @@ class RansCodec(Codec):
         n = outer * tokens * inner
         reader = Reader(payload, "rans payload")
         medians = np.frombuffer(reader.take(outer * inner, "medians"), dtype=np.uint8)
-        freqs = _read_table(reader)
-        n_words = reader.u32("word count")
-        expect_at_most("rans word count", n_words, 2 * rk.LANES + n)
-        words = np.frombuffer(reader.take(2 * n_words, "words"), dtype="<u2")
-        words = words if words.dtype.isnative else words.astype(np.uint16)  # read in place on little-endian hosts
+        symbols = read_plane(reader, n)
         signman = np.frombuffer(reader.take(n * _rest_bytes(dtype), "sign-mantissa"), dtype=np.uint8)
         reader.finish()
-        symbols = np.empty(n, dtype=np.uint8)
-        if not rk.decode(words, freqs, symbols):
-            raise CodecError("rans stream is inconsistent (truncated, padded or corrupted)")
         exps = shift_channels(symbols.reshape(outer, tokens, inner), medians.reshape(outer, inner), 1)
         return exps.reshape(-1), signman
+
+
+def encode_plane(symbols: np.ndarray) -> bytes:
+    """One plane of byte symbols, order-0 rANS-coded under its own frequency table: ``k``, the table, ``w``, the
+    words (the layout in the module docstring)."""
+    freqs = rk.quantize_frequencies(np.bincount(symbols, minlength=256))
+    present = np.flatnonzero(freqs)
+    table = np.empty(present.size, dtype=[("s", "u1"), ("f", "<u2")])
+    table["s"], table["f"] = present, freqs[present]
+    words = rk.encode_symbols(symbols, freqs).astype("<u2")
+    return b"".join((np.uint16(present.size).tobytes(), table.tobytes(), np.uint32(words.size).tobytes(),
+                     words.tobytes()))
+
+
+def read_plane(reader: Reader, n: int) -> np.ndarray:
+    """The ``n`` byte symbols of a plane :func:`encode_plane` wrote, every size checked before it is allocated."""
+    freqs = _read_table(reader)
+    n_words = reader.u32("word count")
+    expect_at_most("rans word count", n_words, 2 * rk.LANES + n)
+    words = np.frombuffer(reader.take(2 * n_words, "words"), dtype="<u2")
+    words = words if words.dtype.isnative else words.astype(np.uint16)  # read in place on little-endian hosts
+    symbols = np.empty(n, dtype=np.uint8)
+    if not rk.decode(words, freqs, symbols):
+        raise CodecError("rans stream is inconsistent (truncated, padded or corrupted)")
+    return symbols
 
 
 def channel_view(shape: tuple[int, ...], token_axis: int | None = None) -> tuple[int, int, int]:

@@ -93,6 +93,7 @@ class Answer:
     hit: int
     tail: Tail | None = None
     how: str = "store"
+    next_stored: bool = False  # the question's ``next_chunk`` is stored too, right after every hit chunk
 
 
 MISS = Answer(0)
@@ -108,6 +109,9 @@ class Question:
 
     chunk_hashes: Sequence[str]
     tails: Callable[[int], list[Tail]] | None = None  # hit (in chunks) -> candidates there, longest first
+    #: The chunk after the loadable ones, when it is full in the prompt (it holds the prompt's last token, so it is
+    #: computed, never loaded): asked with them, so a request does not save again what the store already holds.
+    next_chunk: str | None = None
 
 
 def tail_candidates(namespace: Namespace, tokens: Sequence[int], identity: PromptIdentity, hashes: Sequence[str],
@@ -133,7 +137,7 @@ def answer_questions(questions: Sequence[Question], stored: Stored, resolve: Res
     ``expired`` says nobody waits for the answers any more by the time the
     first returns, the second is not sent (the answers: timeouts).
     """
-    chunk_keys = list(dict.fromkeys(h for q in questions for h in q.chunk_hashes))
+    chunk_keys = list(dict.fromkeys(h for q in questions for h in [*q.chunk_hashes, q.next_chunk] if h is not None))
     found = stored(chunk_keys) if chunk_keys else []
     if found is None:
         return [UNANSWERED] * len(questions)
@@ -144,7 +148,8 @@ def answer_questions(questions: Sequence[Question], stored: Stored, resolve: Res
     candidates = [q.tails(hit) if q.tails is not None else [] for q, hit in zip(questions, hits)]
     prefix_keys = list(dict.fromkeys(t.chunk_hash for ts in candidates for t in ts))
     refs = dict(zip(prefix_keys, (resolve(prefix_keys) if prefix_keys else None) or [None] * len(prefix_keys)))
-    return [Answer(hit, _longest(ts, refs)) for hit, ts in zip(hits, candidates)]
+    return [Answer(hit, _longest(ts, refs), next_stored=q.next_chunk is not None and hit == len(q.chunk_hashes)
+                   and present[q.next_chunk]) for q, hit, ts in zip(questions, hits, candidates)]
 
 
 def _longest(candidates: list[Tail], refs: dict[str, Ref | None]) -> Tail | None:

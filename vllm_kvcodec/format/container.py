@@ -35,6 +35,7 @@ import xxhash
 from vllm_kvcodec.codecs import get_codec, policy
 from vllm_kvcodec.codecs.base import Codec
 from vllm_kvcodec.codecs.dtypes import DType, bits_to_tensor, tensor_to_bits
+from vllm_kvcodec.codecs.precision import Precision
 from vllm_kvcodec.errors import ChunkFormatError, ConfigError, KVCodecError
 
 if TYPE_CHECKING:
@@ -173,11 +174,16 @@ def key_digest(key: str) -> int:
 
 def encode_chunk(
     kv: torch.Tensor, codec: str | dict[str, Any] | Codec | None = None, *, key: str | None = None,
-    tokens: TokenDigests | None = None, value_digest_segment: int | None = None, **params: Any,
+    tokens: TokenDigests | None = None, value_digest_segment: int | None = None,
+    precision: str | Precision | None = None, **params: Any,
 ) -> bytes:
     """Encode one KV chunk (any shape, bf16/fp16/fp32) into a self-describing blob.
 
-    ``codec=None`` picks the codec policy's default for the tensor's dtype (:mod:`.codecs.policy`). ``key``
+    ``codec=None`` picks the codec policy's default for the tensor's dtype (:mod:`.codecs.policy`).
+    ``precision``: ``lossless`` (None, the default: bit-exact) or a lossy level (``int8``, ``int6``, ``int4``;
+    LOSSY: NOT BIT-EXACT) for a canonical ``[layers, 2, tokens, heads, dim]`` chunk; ``codec`` then names what
+    codes the integers (``rans``), and :func:`decode_chunk` returns the dequantised values in the source dtype
+    (:mod:`~vllm_kvcodec.codecs.quantized`). ``key``
     binds the chunk to the store key it will be written under (see
     :func:`read_header`); ``tokens`` records the token ids it was computed from. ``value_digest_segment``: write
     a digest of the values with segments of that many bytes (``0``: none); by default the codec's
@@ -185,7 +191,8 @@ def encode_chunk(
     such as a hardware video decoder, sets one).
     """
     bits, dtype = tensor_to_bits(kv)
-    coder = policy.lossless_codec(get_codec(codec if codec is not None else policy.default_codec_for(dtype), **params))
+    coder = policy.precision_codec(precision, codec) or policy.lossless_codec(
+        get_codec(codec if codec is not None else policy.default_codec_for(dtype), **params))
     coder.check_dtype(dtype)
     _check_shape(tuple(bits.shape))
     segment = getattr(coder, "value_digest_segment", 0) if value_digest_segment is None else value_digest_segment
