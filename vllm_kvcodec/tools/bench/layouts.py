@@ -244,15 +244,18 @@ def _add_load_times(rows: list[dict[str, Any]]) -> None:
 
 def _shared_seconds(kv: torch.Tensor, q: list[np.ndarray], level: str, repeats: int) -> dict[str, float]:
     """Quantisation and dequantisation (with scales, kept values, framing), which every candidate pays: the whole
-    ``encode_chunk``/``decode_chunk`` less the two rANS planes (of the integers ``q``) inside it."""
+    ``encode_chunk``/``decode_chunk`` less the two rANS planes (of the integers ``q``) inside it, timed back to
+    back and the median of the differences taken, so that a change in the machine's load falls on both."""
     chunks = [c.contiguous() for c in kv.split(CHUNK_TOKENS, dim=2)]
     blobs = [encode_chunk(c, precision=level) for c in chunks]
     planes = [RANS.encode(x) for x in q]
-    whole = (_median_s(lambda: [encode_chunk(c, precision=level) for c in chunks], repeats),
-             _median_s(lambda: [decode_chunk(b) for b in blobs], repeats))
-    stage = (_median_s(lambda: [RANS.encode(x) for x in q], repeats),
-             _median_s(lambda: [RANS.decode(p, x.shape) for p, x in zip(planes, q)], repeats))
-    return {"encode_s": max(0.0, whole[0] - stage[0]), "decode_s": max(0.0, whole[1] - stage[1])}
+    encode, decode = [], []
+    for _ in range(repeats):
+        encode.append(_timed(lambda: [encode_chunk(c, precision=level) for c in chunks])
+                      - _timed(lambda: [RANS.encode(x) for x in q]))
+        decode.append(_timed(lambda: [decode_chunk(b) for b in blobs])
+                      - _timed(lambda: [RANS.decode(p, x.shape) for p, x in zip(planes, q)]))
+    return {"encode_s": max(0.0, statistics.median(encode)), "decode_s": max(0.0, statistics.median(decode))}
 
 
 def entropy_bits(chunks: list[Chunk]) -> dict[str, float]:
@@ -279,10 +282,6 @@ def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
-    return statistics.median(_timed(fn) for _ in range(repeats))
 
 
 def _print(level: str, measured: dict[str, Any]) -> None:
