@@ -29,6 +29,30 @@ def bench_codecs(
     codecs.run(output, tokens=tokens, chunk_tokens=chunk_tokens, repeats=repeats)
 
 
+@bench_app.command("layouts")
+def bench_layouts(
+    precision: Optional[list[str]] = typer.Option(None, "--precision", help="Lossy level(s) whose integers to code (repeatable; default int8)."),
+    tokens: int = typer.Option(1024, min=1, help="Tokens of real KV, cut into 256-token chunks."),
+    repeats: int = typer.Option(3, min=1, help="Timed passes per candidate (the median is reported)."),
+    candidate: Optional[list[str]] = typer.Option(None, "--candidate", help="Only these candidates (repeatable; default all)."),
+    json_out: Path = typer.Option(RESULTS / "layouts.json", "--json", help="JSON file to write."),
+) -> None:
+    """KVCodec's layout claim: a lossy level's integers coded by rANS, HEVC (KVCodec's layout and a naive one) and FFV1."""
+    from vllm_kvcodec.codecs.precision import LEVELS
+
+    levels = tuple(precision or ("int8",))
+    if bad := [p for p in levels if p not in LEVELS]:
+        fail(ValueError(f"precision {bad[0]!r} is not a lossy level ({', '.join(LEVELS)})"))
+    from vllm_kvcodec.tools.bench import layouts
+
+    names = tuple(candidate) if candidate else None
+    try:
+        layouts.pick(names)
+    except ValueError as exc:
+        fail(exc)
+    layouts.run(json_out, precisions=levels, tokens=tokens, repeats=repeats, names=names)
+
+
 @bench_app.command("stores")
 def bench_stores(
     output: Path = typer.Option(RESULTS / "stores.json", help="JSON file to write."),
