@@ -102,7 +102,7 @@ def sample_token_ids(num_tokens: int, text: str | None = None) -> list[int]:
     tok = AutoTokenizer.from_pretrained(model_dir())
     ids = tok(sample_text() if text is None else text, add_special_tokens=False)["input_ids"]
     if len(ids) < num_tokens:
-        raise ValueError(f"sample text has only {len(ids)} tokens, asked for {num_tokens}")
+        raise ValueError(f"the text has only {len(ids)} tokens, asked for {num_tokens}")
     return ids[:num_tokens]
 
 
