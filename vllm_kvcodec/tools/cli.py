@@ -250,6 +250,31 @@ def bench_ttft(
              replay=replay, replay_only=replay_only, replay_repeats=replay_repeats, load_wait=load_wait)
 
 
+@bench_app.command("quality")
+def bench_quality(
+    output: Path = typer.Option(RESULTS / "quality.json", "--json", help="JSON file to write."),
+    precision: Optional[list[str]] = typer.Option(
+        None, "--precision", help="Lossy level(s) to measure, e.g. int8 or 'int4,sink_tokens=4,full_layers=2' "
+                                  "(repeatable; default int8). The lossless control always runs."),
+    text: Optional[Path] = typer.Option(None, "--text", exists=True, dir_okay=False,
+                                        help="A local UTF-8 text (default: CPython's pydoc_data.topics)."),
+    prefix_tokens: Optional[list[int]] = typer.Option(None, "--prefix-tokens", help="Prefix length(s), whole 256-token chunks (repeatable; default 512, 1024, 2048)."),
+    continuation_tokens: int = typer.Option(128, help="Tokens scored teacher-forced after each prefix."),
+    greedy_tokens: int = typer.Option(64, help="Greedy tokens within which a divergence is looked for."),
+    windows: int = typer.Option(8, help="Disjoint windows of the text, each scored at every prefix length."),
+    threads: int = typer.Option(1, min=1, help="Torch threads."),
+) -> None:
+    """LOSSY: NOT BIT-EXACT. ΔNLL, KL and top-1 agreement of SmolLM2 scoring a text on KV stored at a precision level."""
+    from vllm_kvcodec.tools.bench import quality
+
+    try:
+        quality.run(output, levels=precision or None, text=text, prefix_tokens=tuple(prefix_tokens or (512, 1024, 2048)),
+                    continuation_tokens=continuation_tokens, greedy_tokens=greedy_tokens, windows=windows,
+                    threads=threads)
+    except ValueError as exc:  # ConfigError among them: a bad level, prefix, or a text too short
+        fail(exc)
+
+
 @bench_app.command("fuzz")
 def bench_fuzz(
     output: Path = typer.Option(RESULTS / "fuzz.json", help="JSON file to write."),
