@@ -129,13 +129,13 @@ class PackedPages:
         if first.stride(3) != 1:
             raise PagedLayoutError(f"the content axis of the caches must be contiguous, strides are {first.stride()}")
         self.strides = tuple(int(s) for s in first.stride()[:3])
-        self._launch = Launcher(self.device)
+        self.launch = Launcher(self.device)
         ptrs = [c.data_ptr() for c in caches]
         self.table = torch.tensor(ptrs, dtype=torch.int64).to(self.device)
-        self._ptr_align = _pow2_dividing([*ptrs, 16], first.element_size())
-        self._vec = _pow2_dividing([*self.strides, head_size, 16 // first.element_size()], 1)
+        self.ptr_align = _pow2_dividing([*ptrs, 16], first.element_size())
+        self.vec = _pow2_dividing([*self.strides, head_size, 16 // first.element_size()], 1)
         self.block_tokens, self.num_warps = block_tokens, num_warps
-        self._block_d = triton.next_power_of_2(head_size)
+        self.block_d = triton.next_power_of_2(head_size)
 
     @property
     def num_slots(self) -> int:
@@ -164,10 +164,10 @@ class PackedPages:
         view = _INT_VIEW[kv.element_size()]
         layers, _, tokens, heads, _ = kv.shape
         grid = (cdiv(tokens, self.block_tokens), heads, layers)
-        self._launch(_move, grid, kv.view(view), self.table[first_layer:], slots, tokens, self.block_size,
+        self.launch(_move, grid, kv.view(view), self.table[first_layer:], slots, tokens, self.block_size,
                      *kv.stride()[:4], *self.strides,
-                     HEAD=self.head_size, BT=self.block_tokens, BD=self._block_d, VEC=self._vec,
-                     PTR_ALIGN=self._ptr_align, TO_PAGES=to_pages, num_warps=self.num_warps)
+                     HEAD=self.head_size, BT=self.block_tokens, BD=self.block_d, VEC=self.vec,
+                     PTR_ALIGN=self.ptr_align, TO_PAGES=to_pages, num_warps=self.num_warps)
 
     def _check(self, first_layer: int, kv: torch.Tensor, slots: torch.Tensor, name: str) -> int:
         want = (self.num_heads, self.head_size)
