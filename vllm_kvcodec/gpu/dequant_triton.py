@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from vllm_kvcodec.gpu.launch import cdiv
-from vllm_kvcodec.gpu.scatter_triton import PackedPages
+from vllm_kvcodec.gpu.scatter_triton import PackedPages, page_rows
 from vllm_kvcodec.paged.base import PagedLayoutError, SlotError
 
 #: Output kinds (compile-time): how a float32 value becomes the cache's bits.
@@ -149,21 +149,10 @@ def _dequantize_scatter(keys_ptr, values_ptr, kmin_ptr, kstep_ptr, vmin_ptr, vst
                         EXACT_ASM: tl.constexpr):
     """``count`` tokens of one head of one layer: span token ``t`` is object token ``first_token + t`` and goes to
     ``slots[t]``. A kept value (a full layer, or a sink token) is copied; any other is dequantised."""
-    pid = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    layer = tl.program_id(2).to(tl.int64)
-    t = pid * BT + tl.arange(0, BT)
-    d = tl.arange(0, BD)
-    live = t < count
+    t, d, h, layer, live, page = page_rows(table_ptr + first_layer, slots_ptr, count, block_size, c_sb, c_sh, c_sn,
+                                           kept_ptr.dtype.element_ty, BT, BD, VEC, PTR_ALIGN)  # as the scatter's
     dmask = d < HEAD
     mask = live[:, None] & dmask[None, :]
-    # where the values go: as _move's scatter
-    s = tl.load(slots_ptr + t, mask=live, other=0).to(tl.int64)
-    blk = s // block_size
-    off = s - blk * block_size
-    cache = tl.load(table_ptr + first_layer + layer).to(tl.pointer_type(kept_ptr.dtype.element_ty))
-    row = tl.multiple_of(blk * c_sb + h * c_sh + off * c_sn, VEC)  # host-checked: rows start VEC-aligned
-    page = tl.multiple_of(cache, PTR_ALIGN) + row[:, None] + d[None, :]
     # what the object holds for them (int64 offsets: an object may hold up to 2**31 elements)
     tokens, full, sink = tokens.to(tl.int64), full.to(tl.int64), sink.to(tl.int64)
     tt = first_token + t.to(tl.int64)  # the object's token
