@@ -1,4 +1,5 @@
-"""The dequantising scatter (gpu/dequant_triton.py) as a GPU would run it: compiled for sm_90 here, and on CUDA.
+"""The dequantising scatter (gpu/dequant_triton.py) as a GPU would run it: compiled for sm_90 here, and on CUDA
+(a lossy load through ``CudaFetcher`` on CUDA: tests/gpu/test_gpu_load.py).
 
 Its bit-exactness on real KV runs in Triton's interpreter (tests/gpu/interpreted_gpu_load.py, through
 test_gpu_load.py); what the interpreter cannot show is what the compiler makes of ``q * step + min``. Triton's
@@ -117,36 +118,3 @@ def test_cuda_dequantize_scatter_writes_the_reference_bit_for_bit(real_chunks, l
         layout.scatter(want[i], slots, ref[i, :, 7:].contiguous())
     torch.cuda.synchronize()
     assert lc.caches_equal(caches, want)
-
-
-@pytest.mark.gpu
-@cuda_kernels
-def test_cuda_fetcher_dequantizes_lossy_objects_bit_exact(real_kv_1k) -> None:
-    """CudaFetcher on CUDA: int8 and int4 objects dequantised by the kernel, beside splitzip; the CPU fetcher's bytes."""
-    from vllm_kvcodec.load.cuda_placement import CudaFetcher
-    from vllm_kvcodec.load.fetcher import Fetcher
-    from vllm_kvcodec.paged import PackedKVLayout
-    from vllm_kvcodec.stats import ConnectorStats
-    from vllm_kvcodec.tools import gpu_load_check as lc
-
-    sc = lc.build(real_kv_1k[:, :, :768].contiguous(), chunk_size=256, layers_per_object=10, block_size=16,
-                  codecs=["int8", "splitzip", "int4"], first_token=37)
-    caches = sc.caches("cuda")
-    layouts = [PackedKVLayout(sc.geometry)] * len(caches)
-    stats = ConnectorStats()
-    fetcher = CudaFetcher(sc.store, sc.addresses, caches, layouts, 4, stats)
-    try:
-        job = fetcher.submit(sc.specs, 60)
-        assert job.done.wait(60)
-        job.settle()
-        torch.cuda.current_stream().synchronize()
-        assert not job.failed_blocks and lc.caches_equal(caches, sc.expected())
-        assert stats.totals()["gpu_decoded_objects"] == 9  # 3 groups x 3 chunks, all on the device
-        cpu = sc.caches("cpu")
-        cpu_fetcher = Fetcher(sc.store, sc.addresses, cpu, layouts, 2, ConnectorStats())
-        cpu_job = cpu_fetcher.submit(sc.specs, 60)
-        assert cpu_job.done.wait(60)
-        cpu_fetcher.shutdown()
-        assert lc.caches_equal(caches, cpu)
-    finally:
-        fetcher.shutdown()
