@@ -777,8 +777,9 @@ def test_gpu_fetcher_fails_bad_lossy_objects_and_writes_nothing(real_kv_1k) -> N
     head = read_header(sc.store.get(key), key=key)
     sc.store.put(key, build_chunk(memoryview(sc.store.get(key))[head.payload_offset : head.payload_offset + head.payload_length],
                                   head.dtype, head.shape, {**head.codec_config, "bits": 4}, key=key))
-    gpu = sc.caches("cpu")
-    _failed_exactly(sc, _run(CudaFetcher, sc, gpu), gpu, [(chunks[0], 0), (chunks[1], 1), (chunks[2], 0)])
+    gpu, stats = sc.caches("cpu"), ConnectorStats()
+    _failed_exactly(sc, _run(CudaFetcher, sc, gpu, stats), gpu, [(chunks[0], 0), (chunks[1], 1), (chunks[2], 0)])
+    assert stats.totals()["gpu_decoded_objects"] == 2 * len(chunks) - 3  # the others: dequantised on the device
 
 
 # ---- the 8-bit video variant: integers as HEVC 4:4:4 8-bit pictures, NVDEC (the 2.0.4 stand-in, libav behind it) ----
