@@ -770,7 +770,8 @@ def _libav_stand_in(device_chunks, payload, shape, want) -> str:
 
 
 def _load_sections(name: str):
-    """benchmarks/``name``.py (the KVCodec measurements, the lossy path's), by path: this file may run as a module too."""
+    """benchmarks/``name``.py (the KVCodec measurements, the lossy path's), by path: this file may run as a module
+    too."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -99,7 +99,8 @@ def _slot_lists(tokens: int, first: int, blocks: int) -> list[torch.Tensor]:
     return lists
 
 
-def _reference(blob: bytes, caches: list[torch.Tensor], slot_lists: list[torch.Tensor], first: int) -> list[torch.Tensor]:
+def _reference(blob: bytes, caches: list[torch.Tensor], slot_lists: list[torch.Tensor],
+               first: int) -> list[torch.Tensor]:
     """The CPU decoder's values through the CPU page layout, from the caches' bytes before the launches."""
     from vllm_kvcodec.format import decode_chunk
     from vllm_kvcodec.paged import Geometry, PackedKVLayout
@@ -128,9 +129,9 @@ def sec_lossy_scatter(d: dict) -> None:
         first = 5
         q = staged.on_device(_to_device(staged))
         ref = decode_chunk(blob).to(DEVICE)
-        row: dict[str, Any] = {"shape": list(head.shape), "codec": head.codec_config, "host_unpack_s": round(unpack_s, 5),
-                               "staged_bytes": staged.nbytes, "bf16_bytes": ref.numel() * 2,
-                               "objects_per_launch_batch": CHUNKS}
+        row: dict[str, Any] = {"shape": list(head.shape), "codec": head.codec_config,
+                               "host_unpack_s": round(unpack_s, 5), "staged_bytes": staged.nbytes,
+                               "bf16_bytes": ref.numel() * 2, "objects_per_launch_batch": CHUNKS}
         blocks = CHUNKS * tokens // BLOCK + 3
         for order in ("NHD", "HND"):
             caches = _caches(layers, blocks, heads, dim, order)
@@ -152,9 +153,11 @@ def sec_lossy_scatter(d: dict) -> None:
             values = sum(s.numel() for s in slot_lists) * layers * 2 * heads * dim
             t_dq = _median(dequantize)
             t_ll = _median(lossless)
-            src, dst = torch.empty(values, dtype=torch.bfloat16, device=DEVICE), torch.empty(values, dtype=torch.bfloat16, device=DEVICE)
+            src = torch.empty(values, dtype=torch.bfloat16, device=DEVICE)
+            dst = torch.empty_like(src)
             t_cp = _median(lambda: dst.copy_(src))
-            row[order] = {"bit_exact_vs_cpu_decoder": ok, "dequantize_scatter_GBps_bf16_out": video._gbps(2 * values, t_dq),
+            row[order] = {"bit_exact_vs_cpu_decoder": ok,
+                          "dequantize_scatter_GBps_bf16_out": video._gbps(2 * values, t_dq),
                           "integers_GBps_in": video._gbps(values, t_dq),
                           "lossless_scatter_GBps": video._gbps(2 * values, t_ll),
                           "device_copy_GBps": video._gbps(2 * values, t_cp)}
@@ -209,7 +212,8 @@ def sec_lossy_fetcher(d: dict) -> None:
         fetcher.shutdown()
     totals = stats.totals()
     d.update({"objects": totals.get("loaded_objects", 0), "device_decoded": totals.get("gpu_decoded_objects", 0),
-              "failed_blocks": len(job.failed_blocks), "bit_exact_vs_cpu_decoder": lc.caches_equal(caches, sc.expected()),
+              "failed_blocks": len(job.failed_blocks),
+              "bit_exact_vs_cpu_decoder": lc.caches_equal(caches, sc.expected()),
               "seconds": round(seconds, 4), "kv_GBps": video._gbps(totals.get("loaded_raw_bytes", 0), seconds),
               "stored_bytes": totals.get("loaded_bytes", 0), "raw_bytes": totals.get("loaded_raw_bytes", 0),
               "decode_s": round(totals.get("decode_s", 0), 4), "scatter_s": round(totals.get("scatter_s", 0), 4)})

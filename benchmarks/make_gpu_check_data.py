@@ -121,7 +121,8 @@ def _lossy(kv) -> dict:
 
             head = read_header(blobs["int8"])
             codec, parts = unpack_quantized(blobs["int8"], head)
-            packets = video_av.encode_pictures(integer_planes(parts, integer_geometry(head.shape, codec)), "hevc", None, 2)
+            planes = integer_planes(parts, integer_geometry(head.shape, codec))
+            packets = video_av.encode_pictures(planes, "hevc", None, 2)
         except Exception as exc:  # noqa: BLE001 - PyAV missing: the device check reports the NVDEC part as skipped
             print(f"no lossy video stream ({type(exc).__name__}: {exc})")
             continue
