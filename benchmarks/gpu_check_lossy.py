@@ -225,7 +225,7 @@ def sec_lossy_fetcher(d: dict) -> None:
 def sec_lossy_nvdec(d: dict) -> None:
     """NVDEC of the int8 integers' HEVC 4:4:4 pictures: exact integers, checked on the device, timed, dequantised."""
     from vllm_kvcodec.format import ValueDigest
-    from vllm_kvcodec.format.device_quantized import (
+    from vllm_kvcodec.tools.gpu_integer_video import (
         IntegerCheck, decode_integer_planes, integer_geometry, integer_planes, integer_shape)
     from vllm_kvcodec.gpu import nvcodec
     from vllm_kvcodec.gpu.dequant_triton import dequantize_into_pages

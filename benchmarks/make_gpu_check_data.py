@@ -106,7 +106,8 @@ def _lossy(kv) -> dict:
 
     from vllm_kvcodec.codecs.precision import Precision
     from vllm_kvcodec.format import encode_chunk, read_header, value_digest
-    from vllm_kvcodec.format.device_quantized import integer_geometry, integer_planes, unpack_quantized
+    from vllm_kvcodec.format.device_quantized import unpack_quantized
+    from vllm_kvcodec.tools.gpu_integer_video import integer_geometry, integer_planes
 
     def blob_tensor(blob: bytes):
         return torch.frombuffer(bytearray(blob), dtype=torch.uint8)

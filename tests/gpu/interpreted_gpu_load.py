@@ -650,9 +650,9 @@ import numpy as np  # noqa: E402
 from vllm_kvcodec.codecs.dtypes import DType  # noqa: E402
 from vllm_kvcodec.errors import CodecError  # noqa: E402
 from vllm_kvcodec.codecs.precision import Precision  # noqa: E402
-from vllm_kvcodec.format.device_quantized import (  # noqa: E402
-    IntegerCheck, StagedQuantized, decode_integer_planes, integer_geometry, integer_planes, integer_shape,
-    unpack_quantized)
+from vllm_kvcodec.format.device_quantized import StagedQuantized, unpack_quantized  # noqa: E402
+from vllm_kvcodec.tools.gpu_integer_video import (  # noqa: E402
+    IntegerCheck, decode_integer_planes, integer_geometry, integer_planes, integer_shape)
 from vllm_kvcodec.gpu.dequant_triton import dequantize_into_pages  # noqa: E402
 
 _LOSSY = [Precision("int8"), Precision("int6"), Precision("int4"), Precision("int4", sink_tokens=5, full_layers=1)]

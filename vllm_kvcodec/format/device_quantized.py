@@ -10,29 +10,23 @@ bits, :mod:`~vllm_kvcodec.codecs.quantized`).
 * :class:`StagedQuantized`: where those parts lie in one staging buffer, each section 16-byte aligned (the kernel
   then loads whole vectors and compiles once), so one host-to-device copy moves them; :meth:`~StagedQuantized.on_device`
   views the copied buffer as the kernel's :class:`~vllm_kvcodec.gpu.dequant_triton.QuantizedKV`.
-* The 8-bit video variant's device side: the integers as HEVC 4:4:4 8-bit pictures (NVDEC's native input), keys
-  then values, one token's channels of one layer per picture row (:func:`integer_geometry`: the ``video`` codec's
-  layout 1 over ``[2, Lq, Tq, heads, dim]``); an NVDEC session decodes them on the device
-  (:func:`decode_integer_planes`) into the integers the kernel dequantises, and :class:`IntegerCheck` checks them
-  there (a digest of their bytes and their range) before any scatter. Another layout (the paper's: token = frame,
-  three layers in the three planes) changes only the crop from pictures to integers.
+
+No 8-bit video variant is stored: HEVC codes the integers in more bits than rANS on our KV (docs/codec-video.md,
+"Lossy integers"). What NVDEC would do with one is measured by the device check
+(:mod:`vllm_kvcodec.tools.gpu_integer_video`), not part of the load path.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import numpy as np
 import torch
 
 from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.codecs.quantized import QuantizedCodec, Unpacked
-from vllm_kvcodec.codecs.video_layout import FrameGeometry, geometry, to_planes
 from vllm_kvcodec.errors import CodecError
-from vllm_kvcodec.format.container import ChunkHeader, ValueDigest, codec_for, payload_of
-from vllm_kvcodec.format.device_chunks import SegmentedDigestCheck, ValueCheck
-from vllm_kvcodec.gpu import nvcodec
+from vllm_kvcodec.format.container import ChunkHeader, codec_for, payload_of
 from vllm_kvcodec.gpu.dequant_triton import QuantizedKV
 from vllm_kvcodec.gpu.staging import align
 
@@ -117,64 +111,4 @@ def _view(buffer: torch.Tensor, at: int, array: np.ndarray) -> torch.Tensor:
     return section.view(_BITS[array.dtype.itemsize])
 
 
-# --------------------------------------------------------------------------------------
-# The 8-bit video variant: integers as HEVC 4:4:4 pictures, decoded by NVDEC
-# --------------------------------------------------------------------------------------
-
-
-def integer_shape(shape: tuple[int, ...], codec: QuantizedCodec) -> tuple[int, int, int, int, int]:
-    """``[2, Lq, Tq, heads, dim]``: an object's keys then values (an object of ``shape``)."""
-    layers, _, tokens, heads, dim = shape
-    return 2, layers - codec.full_layers, tokens - codec.sink_tokens, heads, dim
-
-
-def integer_geometry(shape: tuple[int, ...], codec: QuantizedCodec) -> FrameGeometry:
-    """The pictures an object's integers fill: the ``video`` codec's layout 1 over :func:`integer_shape` (a row is
-    one token's ``heads * dim`` channels of one layer's K or V; a column one channel)."""
-    return geometry(integer_shape(shape, codec))
-
-
-def integer_planes(parts: Unpacked, geo: FrameGeometry) -> np.ndarray:
-    """The ``[frames, 3, height, width]`` uint8 pictures of ``parts``' integers (what an HEVC encoder codes)."""
-    return to_planes(np.concatenate([parts.keys.reshape(-1), parts.values.reshape(-1)]), geo)
-
-
-def decode_integer_planes(packets: list[memoryview], shape: tuple[int, ...], session: Any,
-                          device: torch.device) -> torch.Tensor:
-    """The integers ``shape`` (:func:`integer_shape`) of one picture per packet, decoded by ``session`` (an NVDEC
-    session: :class:`~vllm_kvcodec.gpu.nvdec_sessions.NvdecSession`) on ``device``, cropped from the pictures.
-
-    Not yet checked: :class:`IntegerCheck` before anything is scattered. Enqueued on the current stream.
-    """
-    geo = geometry(tuple(shape))
-    if len(packets) != geo.frames:
-        raise CodecError(f"{len(packets)} packets for the {geo.frames} pictures of {tuple(shape)} integers")
-    planes = torch.empty((geo.frames, nvcodec.PLANES, geo.height, geo.width), dtype=torch.uint8, device=device)
-    session.decode_into(packets, geo.width, geo.height, planes)
-    return nvcodec.planes_to_exponents(planes, geo).reshape(shape)  # the layout's crop: bytes, whatever they hold
-
-
-class IntegerCheck(ValueCheck):
-    """Integers a video decoder gave, checked on the device before any scatter: the segmented XXH3-64 of their bytes
-    (the chunk format's value digest, :func:`vllm_kvcodec.format.value_digest`) and their largest value."""
-
-    kind = "integer digest (segmented XXH3-64) and range"
-
-    def __init__(self, digest: ValueDigest, n: int, levels: int) -> None:
-        self.digest, self.levels = SegmentedDigestCheck(digest, n), levels
-        self.readback_bytes = self.digest.readback_bytes + 1
-
-    def launch(self, values: torch.Tensor, readback: torch.Tensor) -> None:
-        at = self.digest.readback_bytes
-        self.digest.launch(values, readback[:at])
-        readback[at:].copy_(values.reshape(-1).amax().reshape(1))
-
-    def verify(self, readback: bytes | memoryview) -> None:
-        view = memoryview(readback).cast("B")
-        self.digest.verify(view[: self.digest.readback_bytes])
-        if view[self.digest.readback_bytes] > self.levels:
-            raise CodecError(f"decoded integers exceed {self.levels}")
-
-
-__all__ = ["IntegerCheck", "SECTION_ALIGN", "StagedQuantized", "decode_integer_planes", "integer_geometry",
-           "integer_planes", "integer_shape", "is_quantized", "unpack_quantized"]
+__all__ = ["SECTION_ALIGN", "StagedQuantized", "is_quantized", "unpack_quantized"]
