@@ -27,7 +27,10 @@ NVENC probe, which loads the encoder library, runs last): env (with the
 driver's video libraries in one line), then the KVCodec sections of
 benchmarks/gpu_check_video.py first (nvdec_decode, video_fetcher with the pool
 size and per-stage seconds, sm_interference: before the sweeps and the first
-compiles of the rest, so a slow cold cache skips those instead), selftest
+compiles of the rest, so a slow cold cache skips those instead), the lossy
+path's of benchmarks/gpu_check_lossy.py (lossy_scatter: the dequantising
+scatter's GB/s and bit-exactness on real KV integers; lossy_fetcher; lossy_nvdec:
+NVDEC of the int8 integers as an 8-bit 4:4:4 stream), selftest
 (every bit-exactness case of vllm_kvcodec.tools.gpu_selftest), realkv
 (GPU payloads of real KV vs the CPU codec's digests and the numpy reference,
 two layers by 32 tokens in the dry run,
@@ -766,20 +769,24 @@ def _libav_stand_in(device_chunks, payload, shape, want) -> str:
     return "bit-exact" if torch.equal(got.view(torch.int16), want.view(torch.int16)) else "MISMATCH"
 
 
-def _load_video_sections():
-    """benchmarks/gpu_check_video.py (the KVCodec measurements), by path: this file may run as a module too."""
-    spec = importlib.util.spec_from_file_location("gpu_check_video", ROOT / "benchmarks" / "gpu_check_video.py")
+def _load_sections(name: str):
+    """benchmarks/``name``.py (the KVCodec measurements, the lossy path's), by path: this file may run as a module
+    too."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-video_sections = _load_video_sections()
+video_sections = _load_sections("gpu_check_video")
 video_sections.DATA = ARGS.data  # the same input file as the other sections (--data)
+lossy_sections = _load_sections("gpu_check_lossy")
+lossy_sections.video = video_sections  # its data file, timing and NVDEC sessions
 
 #: In the order they run; each is isolated (its failure is recorded, the next one runs). The KVCodec paper's own
 #: figures (NVDEC, a video load, the GEMM under each decoder) run right after env, before the sweeps and the first
-#: numba/Triton compiles of the other sections, so a slow cold cache skips those instead. Whatever loads a
+#: numba/Triton compiles of the other sections, so a slow cold cache skips those instead; then the lossy path's
+#: (the paper's operating point: the dequantising scatter, a lossy load, NVDEC of the int8 integers). Whatever loads a
 #: driver library that may be missing (the NVENC probe) runs after every figure that does not need it:
 #: ("nvenc", sec_nvenc) stays last. Each is ``fn(data: dict)``.
 SECTIONS = [
@@ -787,6 +794,9 @@ SECTIONS = [
     ("nvdec_decode", video_sections.sec_nvdec_decode),
     ("video_fetcher", video_sections.sec_video_fetcher),
     ("sm_interference", video_sections.sec_sm_interference),
+    ("lossy_scatter", lossy_sections.sec_lossy_scatter),
+    ("lossy_fetcher", lossy_sections.sec_lossy_fetcher),
+    ("lossy_nvdec", lossy_sections.sec_lossy_nvdec),
     ("selftest", sec_selftest),
     ("realkv", sec_realkv),
     ("throughput", sec_throughput),

@@ -19,7 +19,15 @@ weights_only=True)``):
   no chunk-format imports), for the NVDEC check (absent if PyAV is missing here);
 * ``video_tail``: the same for a 100-token tail (``kv[:, :, 256:356]``: 2
   pictures of 192 x 1000, where the full chunk has 5 of 192 x 1024), so the
-  device decodes two picture sizes as the product's sessions must.
+  device decodes two picture sizes as the product's sessions must;
+* ``lossy`` (LOSSY: NOT BIT-EXACT): lossy chunks for the dequantising scatter,
+  ``full`` (the first 256-token chunk, all 30 layers) and ``small`` (layers 0-1,
+  tokens 0-31: the dry run's), each as ``int8`` and ``int4_kept`` (int4 keeping
+  sink tokens and full layers at full precision) blobs (the device has numba
+  for the rANS decode, and needs no encode); and ``video_full`` /
+  ``video_small``: the ``int8`` integers as x265 lossless HEVC 4:4:4 8-bit
+  pictures (:mod:`vllm_kvcodec.format.device_quantized`'s layout), one packet
+  per picture, with the value digest of the integers, for NVDEC.
 """
 
 from __future__ import annotations
@@ -83,11 +91,48 @@ def main(argv: list[str] | None = None) -> int:
                           "payload_length": head.payload_length, "shape": list(head.shape)}
     except Exception as exc:  # noqa: BLE001 - PyAV missing: the device check reports the NVDEC part as skipped
         print(f"no video chunk ({type(exc).__name__}: {exc})")
+    data["lossy"] = _lossy(kv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(data, args.out)
     size = args.out.stat().st_size
     print(f"wrote {args.out} ({size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _lossy(kv) -> dict:
+    """Lossy chunks of the real KV, and the int8 ones' integers as HEVC pictures (absent if PyAV is missing here)."""
+    import numpy as np
+    import torch
+
+    from vllm_kvcodec.codecs.precision import Precision
+    from vllm_kvcodec.format import encode_chunk, read_header, value_digest
+    from vllm_kvcodec.format.device_quantized import unpack_quantized
+    from vllm_kvcodec.tools.gpu_integer_video import integer_geometry, integer_planes
+
+    def blob_tensor(blob: bytes):
+        return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+    out: dict = {}
+    for size, part, keep in (("full", kv[:, :, :256], (4, 2)), ("small", kv[:2, :, :32], (4, 1))):
+        blobs = {"int8": encode_chunk(part.contiguous(), precision="int8"),
+                 "int4_kept": encode_chunk(part.contiguous(), precision=Precision("int4", *keep))}
+        out[size] = {name: blob_tensor(blob) for name, blob in blobs.items()}
+        try:
+            from vllm_kvcodec.codecs import video_av
+
+            head = read_header(blobs["int8"])
+            codec, parts = unpack_quantized(blobs["int8"], head)
+            planes = integer_planes(parts, integer_geometry(head.shape, codec))
+            packets = video_av.encode_pictures(planes, "hevc", None, 2)
+        except Exception as exc:  # noqa: BLE001 - PyAV missing: the device check reports the NVDEC part as skipped
+            print(f"no lossy video stream ({type(exc).__name__}: {exc})")
+            continue
+        integers = np.concatenate([parts.keys.reshape(-1), parts.values.reshape(-1)]).tobytes()
+        segment = 16384 if size == "full" else 1024
+        out[f"video_{size}"] = {"of": "int8", "stream": blob_tensor(b"".join(packets)),
+                                "sizes": [len(p) for p in packets], "segment": segment,
+                                "digest": value_digest(integers, segment)}
+    return out
 
 
 if __name__ == "__main__":

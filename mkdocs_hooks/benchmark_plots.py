@@ -1,7 +1,7 @@
 """mkdocs hook: draw the benchmark charts as SVG from the recorded JSON, at build time.
 
-The JSON in ``docs/data/`` is what ``python -m vllm_kvcodec.tools.bench codecs`` and
-``... ttft`` wrote on the development machine (the figures the tables in
+The JSON in ``docs/data/`` is what ``python -m vllm_kvcodec.tools.bench codecs``,
+``... ttft`` and ``... quality`` wrote on the development machine (the figures the tables in
 ``benchmarks.md`` quote). Images are never committed: each build renders
 them again into the site as ``plots/<name>.svg``, registered as mkdocs files
 so that ``--strict`` link checking sees them. Re-record a benchmark by copying
@@ -30,6 +30,7 @@ CHARTS: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
     "plots/trace_replay.svg": ("data/trace_replay.json", plots.trace_replay_figure),
     "plots/trace_curves.svg": ("data/trace_curves.json", plots.trace_curves_figure),
     "plots/trace_ttft.svg": ("data/trace_curves.json", plots.trace_ttft_figure),
+    "plots/quality.svg": ("data/quality.json", plots.quality_figure),
 }
 
 

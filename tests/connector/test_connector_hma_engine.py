@@ -119,10 +119,10 @@ def test_window_model_loads_in_a_fresh_engine_bit_exactly(family) -> None:
 
 @pytest.mark.parametrize("family", ["gemma3"], indirect=True)  # a full group loads while the window groups are skipped
 def test_negative_control_a_load_without_the_window_groups_changes_the_kv(family, monkeypatch) -> None:
-    from vllm_kvcodec.connector import scheduler_half
+    from vllm_kvcodec.connector import load_planner
     from vllm_kvcodec.plans.spans import Span
 
-    real = scheduler_half.SchedulerHalf._span
+    real = load_planner._span
     window_tables: set[int] = set()
 
     def no_window(table, block_size, a, b, chunk_start):
@@ -132,7 +132,7 @@ def test_negative_control_a_load_without_the_window_groups_changes_the_kv(family
             return Span(b - chunk_start, [])
         return span
 
-    monkeypatch.setattr(scheduler_half.SchedulerHalf, "_span", staticmethod(no_window))
+    monkeypatch.setattr(load_planner, "_span", no_window)
     _, _, _, kv, _ = fresh_load(family, "negative")
     assert window_tables
     assert not all(torch.equal(a, b) for mine, ref in zip(kv, family["ref_kv"]) for a, b in zip(mine, ref))

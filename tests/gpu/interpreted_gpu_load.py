@@ -201,13 +201,17 @@ def test_gpu_fetcher_reports_failed_objects_and_never_writes_them(real_kv_1k) ->
     blob = sc.store.get(key(chunks[1].chunk_hash, 1))
     sc.store.put(key(chunks[1].chunk_hash, 1), blob[:-9] + bytes([blob[-9] ^ 1]) + blob[-8:])  # checksum fails
     sc.store.put(key(chunks[2].chunk_hash, 0), lc.swap_escape_positions(sc.store.get(key(chunks[2].chunk_hash, 0)), key(chunks[2].chunk_hash, 0)))
-    gpu, cpu = sc.caches("cpu"), sc.caches("cpu")
-    job = _run(CudaFetcher, sc, gpu)
+    gpu = sc.caches("cpu")
+    _failed_exactly(sc, _run(CudaFetcher, sc, gpu), gpu, [(chunks[0], 0), (chunks[1], 1), (chunks[2], 0)])
+
+
+def _failed_exactly(sc, job, gpu, damaged) -> None:
+    """The objects ``damaged`` ((chunk, group) pairs) failed, exactly their blocks, as the CPU fetcher decides, and
+    nothing of theirs was written (everything else was)."""
+    cpu = sc.caches("cpu")
     cpu_job = _run(Fetcher, sc, cpu)
-    failed = {(chunks[0].chunk_hash, 0), (chunks[1].chunk_hash, 1), (chunks[2].chunk_hash, 0)}
-    want_blocks = set(chunks[0].block_ids) | set(chunks[1].block_ids) | set(chunks[2].block_ids)
-    assert job.failed_blocks == want_blocks == cpu_job.failed_blocks
-    assert lc.caches_equal(gpu, sc.expected(failed))  # nothing of a failed object was written
+    assert job.failed_blocks == {b for chunk, _ in damaged for b in chunk.block_ids} == cpu_job.failed_blocks
+    assert lc.caches_equal(gpu, sc.expected({(chunk.chunk_hash, g) for chunk, g in damaged}))
     assert lc.caches_equal(gpu, cpu)
 
 
@@ -481,13 +485,8 @@ def test_gpu_fetcher_fails_damaged_video_objects_and_writes_nothing(real_kv_1k) 
     _rewrap(sc, chunks[0], 0, damage_stream)
     _rewrap(sc, chunks[1], 1, wrong_sizes)
     _rewrap(sc, chunks[2], 0, wrong_exponent_hash)
-    gpu, cpu = sc.caches("cpu"), sc.caches("cpu")
-    job, _ = _video_run(sc, gpu)
-    cpu_job = _run(Fetcher, sc, cpu)
-    failed = {(chunks[0].chunk_hash, 0), (chunks[1].chunk_hash, 1), (chunks[2].chunk_hash, 0)}
-    want = set(chunks[0].block_ids) | set(chunks[1].block_ids) | set(chunks[2].block_ids)
-    assert job.failed_blocks == want == cpu_job.failed_blocks
-    assert lc.caches_equal(gpu, sc.expected(failed)) and lc.caches_equal(gpu, cpu)
+    gpu = sc.caches("cpu")
+    _failed_exactly(sc, _video_run(sc, gpu)[0], gpu, [(chunks[0], 0), (chunks[1], 1), (chunks[2], 0)])
 
 
 class _ConcealingPictures(LibavPictures):
@@ -641,3 +640,203 @@ def test_slots_are_checked_against_their_own_groups_cache() -> None:
     assert placement._checked_slots([Span(0, [79]), Span(0, [31])]) == [79, 31]
     with pytest.raises(SlotError):
         placement._checked_slots([Span(0, [31]), Span(0, [40])])
+
+
+# ---- lossy quantized objects: dequantised into the pages by the kernel (LOSSY: NOT BIT-EXACT vs the KV; the
+# dequantisation is, bit for bit, the reference CPU decode's) ---------------------------------------------------
+
+import numpy as np  # noqa: E402
+
+from vllm_kvcodec.codecs.dtypes import DType  # noqa: E402
+from vllm_kvcodec.errors import CodecError  # noqa: E402
+from vllm_kvcodec.codecs.precision import Precision  # noqa: E402
+from vllm_kvcodec.format.device_quantized import StagedQuantized, unpack_quantized  # noqa: E402
+from vllm_kvcodec.tools.gpu_integer_video import (  # noqa: E402
+    IntegerCheck, decode_integer_planes, integer_geometry, integer_planes, integer_shape)
+from vllm_kvcodec.gpu.dequant_triton import dequantize_into_pages  # noqa: E402
+
+_LOSSY = [Precision("int8"), Precision("int6"), Precision("int4"), Precision("int4", sink_tokens=5, full_layers=1)]
+
+
+def _staged(blob: bytes, with_integers: bool = True):
+    head = read_header(blob)
+    codec, parts = unpack_quantized(blob, head)
+    return StagedQuantized.of(codec, parts, head, with_integers), head
+
+
+def _on_cpu(staged: StagedQuantized, integers=None):
+    """The staged bytes in a fresh (16-byte aligned) buffer, viewed as the kernel's input: the H2D copy, on a CPU."""
+    buf = torch.zeros(staged.nbytes, dtype=torch.uint8)
+    staged.write(buf)
+    return staged.on_device(buf, integers)
+
+
+def _reference_pages(blob: bytes, caches, slots, first: int, layer0: int = 0) -> list[torch.Tensor]:
+    """The CPU decoder's values (the reference dequantisation) through the CPU page layout: what must land."""
+    want = [c.clone() for c in caches]
+    ref = decode_chunk(blob)
+    layout = PackedKVLayout(Geometry(ref.shape[3], ref.shape[4], caches[0].shape[2], ref.dtype))
+    for i in range(ref.shape[0]):
+        layout.scatter(want[layer0 + i], slots, ref[i, :, first : first + slots.numel()].contiguous())
+    return want
+
+
+@pytest.mark.parametrize("precision", _LOSSY, ids=lambda p: f"{p.name}-sink{p.sink_tokens}-full{p.full_layers}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_dequantize_scatter_writes_the_reference_bit_for_bit(real_chunks, precision, dtype) -> None:
+    """Real KV quantised at each level: the kernel's pages equal the reference CPU decode scattered by the layout,
+    every byte (the untouched ones pre-filled with random bits), for a token slice from a partial first block into
+    shuffled blocks, the object's layers from the second cached layer on."""
+    layers, heads, head, block, blocks, tokens, first = 3, 3, 64, 8, 12, 40, 3
+    kv = _kv_from_real(real_chunks[2], layers, tokens, dtype)
+    blob = encode_chunk(kv, precision=precision)
+    staged, _ = _staged(blob)
+    caches = _layer_caches(layers + 1, blocks, heads, block, head, dtype, "HND", seed=6)
+    slots = _odd_slots(blocks, block, tokens - first - 2, seed=8)  # tokens [3, 38) of the object
+    want = _reference_pages(blob, caches, slots, first, layer0=1)
+    dequantize_into_pages(PackedPages(caches, head), 1, _on_cpu(staged), first, slots)
+    for i, (got, ref) in enumerate(zip(caches, want)):
+        assert torch.equal(_bits(got), _bits(ref)), f"layer {i}"
+
+
+def test_dequantize_rounds_as_the_reference_where_shortcuts_differ() -> None:
+    """float32 outputs whose product needs more than 24 bits (one fused rounding gives other bits than the
+    reference's two), and bfloat16 outputs exactly half-way between two bfloat16 values (to nearest even; the
+    interpreter's own float32 -> bfloat16 cast rounds them up): the kernel writes the reference's bits."""
+    q = np.full((1, 2, 1, 16), 255, np.uint8)
+    step = (1 + np.arange(1, 17) * 2.0**-23).astype(np.float32).reshape(1, 1, 16)  # 255 * step: 32 bits
+    minimum = np.full((1, 1, 16), -255.0, np.float32)  # cancels all but the bits the product's rounding drops
+    fused = (255 * step.astype(np.float64) - 255).astype(np.float32)
+    got = _dequantized_keys(q, minimum, step, torch.float32)
+    assert (got.view(np.float32) != fused).all(), "these inputs cannot tell one rounding from two"
+    ties = np.float32(1.0) + np.float32(2.0**-8) * np.array([1, 3], np.float32)  # 0x3F808000, 0x3F818000
+    got = _dequantized_keys(np.ones((1, 2, 1, 16), np.uint8), np.zeros((1, 1, 16), np.float32),
+                            np.repeat(ties, 8).reshape(1, 1, 16), torch.bfloat16)
+    assert set(got.reshape(-1).tolist()) == {0x3F80, 0x3F82}  # to even; half-up would give 0x3F81 for the first
+
+
+def _dequantized_keys(keys: np.ndarray, k_min: np.ndarray, k_step: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Hand-made keys (values zero) dequantised into pages by the kernel: their bits, checked against the reference
+    (``codecs.quantized.dequantize``, then the CPU decoder's rounding to ``dtype``)."""
+    from vllm_kvcodec.codecs.quantized import _to_bits, dequantize
+    from vllm_kvcodec.gpu.dequant_triton import QuantizedKV
+
+    _, tokens, heads, dim = keys.shape
+    t = torch.from_numpy
+    q = QuantizedKV(t(keys), t(np.zeros_like(keys)), t(k_min), t(k_step), t(np.zeros((1, tokens, heads), np.float32)),
+                    t(np.ones((1, tokens, heads), np.float32)), torch.zeros(0, dtype=_bits(torch.zeros(1, dtype=dtype)).dtype),
+                    1, tokens, 0, 0, dtype)
+    cache = torch.zeros(1, heads, tokens, 2 * dim, dtype=dtype)
+    dequantize_into_pages(PackedPages([cache], dim), 0, q, 0, torch.arange(tokens))
+    got = _bits(cache[0, :, :, :dim].transpose(0, 1)).numpy().view(DType.from_torch(dtype).bits_dtype)
+    want = _to_bits(dequantize(keys[0], k_min, k_step), DType.from_torch(dtype))
+    assert np.array_equal(got, want)
+    return got
+
+
+@pytest.mark.parametrize("order", lc.ORDERS)
+def test_gpu_fetcher_dequantizes_lossy_objects_on_the_device(real_kv_1k, order) -> None:
+    """int8, int4 with sink tokens and a full layer, beside lossless splitzip and rans: the GPU load path writes
+    what the CPU fetcher writes (the reference dequantisation), and the lossy objects are decoded by the kernel."""
+    lossy = Precision("int4", sink_tokens=3, full_layers=1)
+    sc = _scenario(real_kv_1k, ["int8", "splitzip", lossy, "rans"], first_token=5, seed=30)
+    gpu, cpu = sc.caches("cpu", order), sc.caches("cpu", order)
+    stats = ConnectorStats()
+    job = _run(CudaFetcher, sc, gpu, stats)
+    _run(Fetcher, sc, cpu)
+    assert not job.failed_blocks
+    assert lc.caches_equal(gpu, cpu) and lc.caches_equal(gpu, sc.expected())
+    assert not lc.caches_equal(gpu, _scenario(real_kv_1k, ["raw"], first_token=5, seed=30).expected()), "lossy"
+    totals = stats.totals()
+    assert totals["codec_quantized_loads"] == 4 and totals["gpu_decoded_objects"] == 6  # + 2 splitzip
+
+
+def _forged_scales(payload: bytearray, head) -> bytes:
+    """The payload with one key step NaN, re-coded as a writer would (the checksum stays valid)."""
+    from vllm_kvcodec.codecs.quantized import _SCALES, _half
+    from vllm_kvcodec.codecs.rans import encode_plane
+    from vllm_kvcodec.format import codec_for
+
+    parts = codec_for(head).unpack(memoryview(payload), head.dtype, head.shape)
+    k_step = parts.k_step.copy()
+    k_step[0, 1, 2] = np.nan
+    scales = _SCALES.encode(np.concatenate([_half(a) for a in (parts.k_min, k_step, parts.v_min, parts.v_step)]),
+                            DType.BFLOAT16)
+    return b"".join((np.uint32(len(scales)).tobytes(), scales, parts.kept.tobytes(),
+                     encode_plane(parts.keys.reshape(-1)), encode_plane(parts.values.reshape(-1))))
+
+
+def test_gpu_fetcher_fails_bad_lossy_objects_and_writes_nothing(real_kv_1k) -> None:
+    """A NaN step, a truncated integer plane, 8-bit integers under a 4-bit config: each resealed (a valid checksum
+    and key), each a failed load of exactly its blocks, none of its bytes written: as the CPU fetcher decides."""
+    sc = _scenario(real_kv_1k, ["int8"], seed=31)
+    chunks = [c for spec in sc.specs for c in spec.chunks]
+    _rewrap(sc, chunks[0], 0, _forged_scales)
+    _rewrap(sc, chunks[1], 1, lambda payload, head: payload[:-3])
+    key = sc.addresses.key(chunks[2].chunk_hash, 0)
+    head = read_header(sc.store.get(key), key=key)
+    sc.store.put(key, build_chunk(memoryview(sc.store.get(key))[head.payload_offset : head.payload_offset + head.payload_length],
+                                  head.dtype, head.shape, {**head.codec_config, "bits": 4}, key=key))
+    gpu, stats = sc.caches("cpu"), ConnectorStats()
+    _failed_exactly(sc, _run(CudaFetcher, sc, gpu, stats), gpu, [(chunks[0], 0), (chunks[1], 1), (chunks[2], 0)])
+    assert stats.totals()["gpu_decoded_objects"] == 2 * len(chunks) - 3  # the others: dequantised on the device
+
+
+# ---- the 8-bit video variant: integers as HEVC 4:4:4 8-bit pictures, NVDEC (the 2.0.4 stand-in, libav behind it) ----
+
+
+def _integer_stream(blob: bytes):
+    """x265 lossless HEVC 4:4:4 of an object's integers, one packet per picture (the layout's pictures)."""
+    pytest.importorskip("av")
+    from vllm_kvcodec.codecs import video_av
+
+    staged, head = _staged(blob, with_integers=False)
+    geo = integer_geometry(head.shape, staged.codec)
+    planes = integer_planes(staged.parts, geo)
+    return staged, head, [memoryview(p) for p in video_av.encode_pictures(planes, "hevc", None, 1)]
+
+
+def test_nvdec_integer_planes_dequantize_into_the_pages_bit_exactly(real_chunks) -> None:
+    """An int8 object's integers as pictures, decoded by the product's NVDEC session (over the stand-in), cropped,
+    checked (digest and range) and dequantised into the pages: the reference CPU decode, byte for byte."""
+    from vllm_kvcodec.format import ValueDigest, value_digest
+
+    kv = real_chunks[1][:2, :, :64].contiguous()
+    blob = encode_chunk(kv, precision=Precision("int8", sink_tokens=2))
+    staged, head, packets = _integer_stream(blob)
+    shape = integer_shape(head.shape, staged.codec)
+    ints = decode_integer_planes(packets, shape, _stand_in()(torch.device("cpu")), torch.device("cpu"))
+    want = np.stack([staged.parts.keys, staged.parts.values])
+    assert ints.dtype == torch.uint8 and np.array_equal(ints.numpy(), want)
+    check = IntegerCheck(ValueDigest(1024, value_digest(want.tobytes(), 1024)), want.size, staged.codec.levels)
+    back = torch.zeros(check.readback_bytes, dtype=torch.uint8)
+    check.launch(ints, back)
+    check.verify(back.numpy().tobytes())
+    caches = _layer_caches(2, 10, 3, 8, 64, torch.bfloat16, "NHD", seed=9)
+    slots = _odd_slots(10, 8, 60, seed=10)
+    want_pages = _reference_pages(blob, caches, slots, 4)
+    dequantize_into_pages(PackedPages(caches, 64), 0, _on_cpu(staged, ints), 4, slots)
+    assert lc.caches_equal(caches, want_pages)
+
+
+def test_integer_check_catches_a_decoder_that_lies_and_integers_out_of_range(real_chunks) -> None:
+    """A decoder that changes one byte of a picture fails the integers' digest; integers above a 4-bit level fail
+    the range check even under a digest that matches them."""
+    from vllm_kvcodec.format import ValueDigest, value_digest
+
+    blob = encode_chunk(real_chunks[0][:2, :, :32].contiguous(), precision="int8")
+    staged, head, packets = _integer_stream(blob)
+    shape = integer_shape(head.shape, staged.codec)
+    want = np.stack([staged.parts.keys, staged.parts.values])
+    lying = NvdecSessions(StandInNvc(pictures=_ConcealingPictures))(torch.device("cpu"))
+    ints = decode_integer_planes(packets, shape, lying, torch.device("cpu"))
+    check = IntegerCheck(ValueDigest(1024, value_digest(want.tobytes(), 1024)), want.size, 255)
+    back = torch.zeros(check.readback_bytes, dtype=torch.uint8)
+    check.launch(ints, back)
+    with pytest.raises(CodecError, match="value digest"):
+        check.verify(back.numpy().tobytes())
+    honest = torch.from_numpy(want)
+    range_check = IntegerCheck(ValueDigest(1024, value_digest(want.tobytes(), 1024)), want.size, 15)
+    range_check.launch(honest, back)
+    with pytest.raises(CodecError, match="exceed 15"):
+        range_check.verify(back.numpy().tobytes())

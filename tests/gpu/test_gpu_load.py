@@ -30,7 +30,7 @@ from vllm_kvcodec.gpu.staging import StagingPool, align8, host_slots
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = Path(__file__).resolve().parent / "interpreted_gpu_load.py"
-MIN_CASES = 35  # what the file holds today; fewer means cases silently stopped being collected
+MIN_CASES = 53  # what the file holds today; fewer means cases silently stopped being collected
 
 
 
@@ -192,18 +192,23 @@ def _cuda_caches(layers, blocks, heads, block, head, order):
 
 @pytest.mark.gpu
 @cuda_kernels
-def test_cuda_fetcher_events_and_bit_exact_load(real_kv_1k) -> None:
+@pytest.mark.parametrize("codecs,on_device", [(["splitzip", "rans"], 3), (["int8", "splitzip", "int4"], 9)],
+                         ids=["lossless", "lossy"])
+def test_cuda_fetcher_events_and_bit_exact_load(real_kv_1k, codecs, on_device) -> None:
+    """Lossless chunks (splitzip on the device, rans on the CPU) and lossy ones (int8 and int4, LOSSY: NOT BIT-EXACT
+    vs the KV, dequantised by the kernel into the pages: bit-exact vs the CPU decoder): what the CPU fetcher writes."""
     from vllm_kvcodec.load.fetcher import Fetcher
     from vllm_kvcodec.tools import gpu_load_check as lc
     from vllm_kvcodec.load.cuda_placement import CudaFetcher
     from vllm_kvcodec.paged import PackedKVLayout
     from vllm_kvcodec.stats import ConnectorStats
 
-    sc = lc.build(real_kv_1k[:, :, :512].contiguous(), chunk_size=256, layers_per_object=10, block_size=16,
-                  codecs=["splitzip", "rans"], first_token=37)
+    sc = lc.build(real_kv_1k[:, :, : 256 * len(codecs)].contiguous(), chunk_size=256, layers_per_object=10,
+                  block_size=16, codecs=codecs, first_token=37)
     caches = sc.caches("cuda")
     layouts = [PackedKVLayout(sc.geometry)] * len(caches)
-    fetcher = CudaFetcher(sc.store, sc.addresses, caches, layouts, 4, ConnectorStats())
+    stats = ConnectorStats()
+    fetcher = CudaFetcher(sc.store, sc.addresses, caches, layouts, 4, stats)
     try:
         job = fetcher.submit(sc.specs, 60)
         for layer in range(len(caches)):
@@ -214,6 +219,7 @@ def test_cuda_fetcher_events_and_bit_exact_load(real_kv_1k) -> None:
         torch.cuda.current_stream().synchronize()
         assert not job.failed_blocks
         assert lc.caches_equal(caches, sc.expected())
+        assert stats.totals()["gpu_decoded_objects"] == on_device  # 3 layer groups
         cpu = sc.caches("cpu")
         cpu_fetcher = Fetcher(sc.store, sc.addresses, cpu, layouts, 2, ConnectorStats())
         cpu_job = cpu_fetcher.submit(sc.specs, 60)

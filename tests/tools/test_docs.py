@@ -39,4 +39,7 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
         svg = (out / "plots" / f"{name}.svg").read_text()
         assert svg.startswith("<?xml") and "<svg" in svg and "<path" in svg
         assert f'src="../plots/{name}.svg"' in trace
+    svg = (out / "plots" / "quality.svg").read_text()
+    assert svg.startswith("<?xml") and "<svg" in svg and "<path" in svg
+    assert 'src="../plots/quality.svg"' in (out / "precision" / "index.html").read_text()
     assert '<pre class="mermaid">' in (out / "architecture" / "index.html").read_text()

@@ -35,6 +35,7 @@ NEEDS = {
     "01_bf16_kv.ipynb": ("transformers",),
     "02_remote_prefix_cache.ipynb": ("vllm", "transformers"),
     "03_lmcache_plugin.ipynb": ("lmcache", "transformers"),
+    "04_lossy_precision.ipynb": ("transformers",),
 }
 MARKS = {"02_remote_prefix_cache.ipynb": [pytest.mark.engine]}
 #: Parameters run at test scale. 02: a 2-chunk prefix instead of 8, the sweep over one codec at one link speed
@@ -59,7 +60,7 @@ def this_python_kernelspec(root: Path) -> Path:
     return root
 
 
-def test_the_three_examples_exist() -> None:
+def test_every_example_is_listed() -> None:
     assert [p.name for p in NOTEBOOKS] == sorted(NEEDS)
 
 

@@ -18,7 +18,10 @@ What it stores, for a canonical chunk ``[layers, 2 (K, V), tokens, heads, dim]``
   a sequence's first chunk: CacheGen and KVQuant keep the attention sinks
   exact).
 - The integers: keys and values as two planes, each order-0 rANS-coded under
-  its own table (``entropy: rans``; :func:`~.rans.encode_plane`).
+  its own table (``entropy: rans``; :func:`~.rans.encode_plane`). Lossless
+  HEVC in KVCodec's token-per-frame layout, HEVC in a naive layout and FFV1
+  were measured on the same integers and lost (``kvcodec bench layouts``,
+  docs/codec-video.md): KIVI's integers hold nothing for their predictors.
 
 The reference dequantisation, which every decoder reproduces bit for bit (the
 GPU kernel too): ``y = float32(q) * step`` rounded to float32, ``+ min``

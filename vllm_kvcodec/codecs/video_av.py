@@ -19,6 +19,13 @@ Encoder settings (why each is exact is in ``docs/codec-video.md``):
   NVDEC does not (no H.264 4:4:4), so this backend is CPU-only.
 * ``ffv1``: FFV1 version 1 (no extradata, one slice), range coder with the
   large context model (``coder=1:context=1``); lossless by design.
+
+``gop`` (pictures per intra period) is for measurements only: the ``video``
+codec stores all-intra streams (the default, ``None``). A larger ``gop`` lets
+x265/x264 predict a picture from the one before it (P pictures, still no
+B-frames), as KVCodec's token-per-frame layout needs; x265 has been seen to be
+inexact in lossless inter coding at slower presets, so every such stream must be
+decoded and compared (``tools/bench/layouts.py`` does).
 """
 
 from __future__ import annotations
@@ -60,22 +67,25 @@ def check_available(backend: str) -> None:
             raise ConfigError(f"this FFmpeg build has no {name!r} ({'encoder' if mode == 'w' else 'decoder'}): {exc}") from None
 
 
-def _encoder_options(backend: str, preset: str | None, threads: int) -> dict[str, str]:
+def _encoder_options(backend: str, preset: str | None, threads: int, gop: int = 1) -> dict[str, str]:
     if backend == "hevc":
         pools = "none" if threads == 1 else str(threads)
         params = (
-            "lossless=1:keyint=1:min-keyint=1:bframes=0:scenecut=0:rc-lookahead=0:no-deblock=1:sao=0:"
+            f"lossless=1:keyint={gop}:min-keyint={gop}:bframes=0:scenecut=0:rc-lookahead=0:no-deblock=1:sao=0:"
             f"info=0:hash=0:aud=0:annexb=1:log-level=error:pools={pools}:frame-threads=1"
         )
         return {"preset": preset or DEFAULT_PRESET[backend], "x265-params": params}
     if backend == "h264":
-        params = "keyint=1:min-keyint=1:bframes=0:scenecut=0:rc-lookahead=0:no-deblock=1:log=-1"
+        params = f"keyint={gop}:min-keyint={gop}:bframes=0:scenecut=0:rc-lookahead=0:no-deblock=1:log=-1"
         return {"preset": preset or DEFAULT_PRESET[backend], "qp": "0", "x264-params": params}
     return {"level": "1", "coder": "1", "context": "1"}
 
 
-def encode_pictures(planes: np.ndarray, backend: str, preset: str | None, threads: int) -> list[bytes]:
-    """Encode ``[frames, 3, height, width]`` uint8 pictures; one packet per picture."""
+def encode_pictures(
+    planes: np.ndarray, backend: str, preset: str | None, threads: int, gop: int | None = None
+) -> list[bytes]:
+    """Encode ``[frames, 3, height, width]`` uint8 pictures; one packet per picture. ``gop`` None: all intra
+    (hevc, h264) or :data:`FFV1_GOP` (ffv1), as the ``video`` codec stores them."""
     av = import_av()
     frames, nplanes, height, width = planes.shape
     assert nplanes == PLANES
@@ -86,8 +96,8 @@ def encode_pictures(planes: np.ndarray, backend: str, preset: str | None, thread
         ctx.framerate = Fraction(25, 1)
         ctx.thread_count = threads
         if backend == "ffv1":
-            ctx.gop_size = FFV1_GOP
-        ctx.options = _encoder_options(backend, preset, threads)
+            ctx.gop_size = gop or FFV1_GOP
+        ctx.options = _encoder_options(backend, preset, threads, gop or 1)
         packets: list[bytes] = []
         for i in range(frames):
             frame = av.VideoFrame(width, height, PIX_FMT)

@@ -117,9 +117,20 @@ class LoadPlanner:
         state.hit_chunks, state.tail, state.looked_up = answer.hit, answer.tail, True
         if self.prefetches and (answer.hit or answer.tail):
             self._to_prefetch[state.req_id] = None
-        state.next_save = min(state.next_save, answer.hit) if state.computed else answer.hit
+        stored = answer.hit + self._next_stored(state, answer)
+        state.next_save = min(state.next_save, stored) if state.computed else stored
         self.stats.add(lookups=1, lookup_chunks=asked, hit_chunks=answer.hit,
                        **({"hit_tail_tokens": answer.tail.tokens} if answer.tail else {}))
+
+    def _next_stored(self, state: RequestState, answer: Answer) -> int:
+        """1 when the chunk holding the prompt's last token is stored whole and not known to fail: the request
+        computes it (vLLM computes the last token) but does not save it again. Saved again, it would cost an
+        encode and a put, and replace the first writer's object with KV computed in another schedule of steps,
+        whose bf16 bits can differ in the last place."""
+        if not answer.next_stored or self.ledger.first_failed(state.hashes[answer.hit : answer.hit + 1]) == 0:
+            return 0
+        self.stats.add(saves_already_stored=1)
+        return 1
 
     def usable_tail(self, state: RequestState, hit: int) -> Tail | None:
         """The stored tail, if every full chunk before it is still a hit and it is not known to fail."""
@@ -138,6 +149,8 @@ class LoadPlanner:
         """
         if not self.config.load:
             return Answer(0)
+        full = state.request.num_tokens // self.chunk
+        next_chunk = state.chunk_hashes(full)[len(loadable)] if full > len(loadable) else None
         tails = None
         if self.config.block_hits and state.identity is not None:
             tokens = list(state.request.all_token_ids)  # a snapshot: the lookup thread hashes it
@@ -146,14 +159,15 @@ class LoadPlanner:
             def tails(hit: int) -> list[Tail]:
                 return tail_candidates(namespace, tokens, identity, loadable[:hit], self.chunk, align)
 
-            if not loadable and not tails(0):
+            if not loadable and not tails(0) and next_chunk is None:
                 return Answer(0)  # nothing the store could hold: no question to ask
-        elif not loadable:
+        elif not loadable and next_chunk is None:
             return Answer(0)
-        question = Question(loadable, tails, state.keyed_in)
+        question = Question(loadable, tails, next_chunk, state.keyed_in)
         if self.lookups is None:
             return answer_questions([question], self.queries.stored, self.queries.resolve)[0]
-        key = (tuple(loadable), state.identity, tuple(tokens[len(loadable) * self.chunk:]) if tails else None)
+        key = (tuple(loadable), next_chunk, state.identity,
+               tuple(tokens[len(loadable) * self.chunk:]) if tails else None)
         return self.lookups.ask(state.req_id, key, question)
 
     def _reads_inflight(self, state: RequestState, loadable: list[str], tokens: int) -> bool:

@@ -95,6 +95,7 @@ class Answer:
     hit: int
     tail: Tail | None = None
     how: str = "store"
+    next_stored: bool = False  # the question's ``next_chunk`` is stored too, right after every hit chunk
 
 
 MISS = Answer(0)
@@ -110,6 +111,9 @@ class Question:
 
     chunk_hashes: Sequence[str]
     tails: Callable[[int], list[Tail]] | None = None  # hit (in chunks) -> candidates there, longest first
+    #: The chunk after the loadable ones, when it is full in the prompt (it holds the prompt's last token, so it is
+    #: computed, never loaded): asked with them, so a request does not save again what the store already holds.
+    next_chunk: str | None = None
     precision: str = LOSSLESS  # the namespace its keys are in (see connector/precisions.py)
 
 
@@ -153,7 +157,7 @@ def _answer_in(questions: Sequence[Question], stored: Callable[[list[str]], "lis
                resolve: Callable[[list[str]], "list[Ref | None] | None"],
                expired: Callable[[], bool] | None) -> list[Answer]:
     """:func:`answer_questions` for questions keyed in one namespace."""
-    chunk_keys = list(dict.fromkeys(h for q in questions for h in q.chunk_hashes))
+    chunk_keys = list(dict.fromkeys(h for q in questions for h in [*q.chunk_hashes, q.next_chunk] if h is not None))
     found = stored(chunk_keys) if chunk_keys else []
     if found is None:
         return [UNANSWERED] * len(questions)
@@ -164,7 +168,8 @@ def _answer_in(questions: Sequence[Question], stored: Callable[[list[str]], "lis
     candidates = [q.tails(hit) if q.tails is not None else [] for q, hit in zip(questions, hits)]
     prefix_keys = list(dict.fromkeys(t.chunk_hash for ts in candidates for t in ts))
     refs = dict(zip(prefix_keys, (resolve(prefix_keys) if prefix_keys else None) or [None] * len(prefix_keys)))
-    return [Answer(hit, _longest(ts, refs)) for hit, ts in zip(hits, candidates)]
+    return [Answer(hit, _longest(ts, refs), next_stored=q.next_chunk is not None and hit == len(q.chunk_hashes)
+                   and present[q.next_chunk]) for q, hit, ts in zip(questions, hits, candidates)]
 
 
 def _longest(candidates: list[Tail], refs: dict[str, Ref | None]) -> Tail | None:

@@ -161,7 +161,8 @@ COUNTERS: tuple[CounterSpec, ...] = (
     CounterSpec("saves_dropped", "Chunk saves not done, by reason: queue_full, store_down, after_load_failure, "
                 "after_load_failure_elsewhere, load_unsettled, incomplete, window_freed and adapter_weights (the LoRA "
                 "weights the worker runs were not read from the files the key names) are lost (a later miss); "
-                "deferred_store_down waits for the store, deduplicated is being saved by another request, lossy_kv "
+                "deferred_store_down waits for the store, deduplicated is being saved by another request, "
+                "already_stored is in the store already (the chunk holding a replayed prompt's last token), lossy_kv "
                 "rests on lossy KV under precision auto (never stored as the lossless ground truth).",
                 {"queue_full": "saves_dropped", "store_down": "saves_dropped_store_down",
                  "window_freed": "saves_dropped_window_freed",
@@ -171,7 +172,7 @@ COUNTERS: tuple[CounterSpec, ...] = (
                  "load_unsettled": "saves_dropped_load_unsettled",
                  "adapter_weights": "saves_skipped_adapter_weights",
                  "incomplete": "saves_incomplete", "deduplicated": "saves_deduplicated",
-                 "lossy_kv": "saves_skipped_lossy_kv"},
+                 "already_stored": "saves_already_stored", "lossy_kv": "saves_skipped_lossy_kv"},
                 label="reason"),
     CounterSpec("store_down", "Times the store went down (up -> down transitions), by the side that saw it.",
                 {"scheduler": "store_down_scheduler", "worker": "store_down_worker"}, label="side"),

@@ -368,7 +368,7 @@ def decode_payload(blob: bytes | bytearray | memoryview, header: ChunkHeader, *,
     ``borrow``: the tensor may share memory with ``blob`` (see :meth:`Codec.decode_borrowed`); for a
     caller that copies it somewhere at once and never writes it.
     """
-    codec = _codec_for(header)
+    codec = codec_for(header)
     payload = payload_of(blob, header)
     decode = codec.decode_borrowed if borrow else codec.decode
     bits = decode(payload, header.dtype, header.shape)
@@ -393,10 +393,11 @@ def decode_payload_into(blob: bytes | bytearray | memoryview, header: ChunkHeade
     if header.value_digest is not None:  # checked on the decoded values: decode, check, then copy
         return False
     payload = payload_of(blob, header)
-    return _codec_for(header).decode_into(payload, header.dtype, header.shape, extents)
+    return codec_for(header).decode_into(payload, header.dtype, header.shape, extents)
 
 
-def _codec_for(header: ChunkHeader) -> Codec:
+def codec_for(header: ChunkHeader) -> Codec:
+    """The codec that decodes ``header``'s payload (a device decoder asks too), its config exactly as encoders write it."""
     try:
         codec = get_codec(header.codec_config)
     except ConfigError as exc:
@@ -439,7 +440,7 @@ def _load_config(raw: memoryview) -> dict[str, Any]:
 __all__ = [
     "CHECKSUM_BYTES", "ChunkFormatError", "ChunkHeader", "FIXED_HEADER_BYTES", "KEY_BOUND", "KVCodecError", "MAGIC",
     "MAX_HEADER_BYTES", "MAX_TOKEN_DIGESTS", "TOKEN_DIGESTS", "TOKEN_DIGEST_BYTES", "TokenDigests", "VALUE_DIGEST",
-    "VERSION", "ValueDigest", "build_chunk", "decode_chunk", "decode_payload", "decode_payload_into", "digest_segments",
-    "encode_chunk", "header_length", "key_digest", "parse_header", "payload_of", "read_header", "value_digest",
+    "VERSION", "ValueDigest", "build_chunk", "codec_for", "decode_chunk", "decode_payload", "decode_payload_into",
+    "digest_segments", "encode_chunk", "header_length", "key_digest", "parse_header", "payload_of", "read_header", "value_digest",
     "verify_checksum", "verify_value_digest",
 ]

@@ -51,6 +51,25 @@ _INT_VIEW = {2: torch.int16, 4: torch.int32}
 
 
 @triton.jit
+def page_rows(table_ptr, slots_ptr, tokens, block_size, c_sb, c_sh, c_sn, ELEMENT: tl.constexpr, BT: tl.constexpr,
+              BD: tl.constexpr, VEC: tl.constexpr, PTR_ALIGN: tl.constexpr):
+    """This program's tile: tokens ``t`` (``BT`` of ``tokens``), lanes ``d``, head ``h``, layer ``layer`` (of the
+    pointer table), which tokens are live, and ``[BT, BD]`` pointers to the K half of their page rows (V is ``HEAD``
+    further): every kernel here addresses the pages so."""
+    h = tl.program_id(1).to(tl.int64)
+    layer = tl.program_id(2).to(tl.int64)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    d = tl.arange(0, BD)
+    live = t < tokens
+    s = tl.load(slots_ptr + t, mask=live, other=0).to(tl.int64)
+    blk = s // block_size
+    off = s - blk * block_size
+    cache = tl.load(table_ptr + layer).to(tl.pointer_type(ELEMENT))
+    row = tl.multiple_of(blk * c_sb + h * c_sh + off * c_sn, VEC)  # host-checked: rows start VEC-aligned
+    return t, d, h, layer, live, tl.multiple_of(cache, PTR_ALIGN) + row[:, None] + d[None, :]
+
+
+@triton.jit
 def _move(kv_ptr, table_ptr, slots_ptr, tokens, block_size,
           kv_sl, kv_skv, kv_st, kv_sh,
           c_sb, c_sh, c_sn,
@@ -58,19 +77,9 @@ def _move(kv_ptr, table_ptr, slots_ptr, tokens, block_size,
           PTR_ALIGN: tl.constexpr, TO_PAGES: tl.constexpr):
     """Scatter (``TO_PAGES``: the chunk ``kv`` into the pages) or gather (the pages into ``kv``): the same addresses,
     read on one side and written on the other, so the two directions can never disagree on where a slot lies."""
-    pid = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    layer = tl.program_id(2).to(tl.int64)
-    t = pid * BT + tl.arange(0, BT)
-    d = tl.arange(0, BD)
-    live = t < tokens
+    t, d, h, layer, live, page = page_rows(table_ptr, slots_ptr, tokens, block_size, c_sb, c_sh, c_sn,
+                                           kv_ptr.dtype.element_ty, BT, BD, VEC, PTR_ALIGN)
     mask = live[:, None] & (d < HEAD)[None, :]
-    s = tl.load(slots_ptr + t, mask=live, other=0).to(tl.int64)
-    blk = s // block_size
-    off = s - blk * block_size
-    cache = tl.load(table_ptr + layer).to(tl.pointer_type(kv_ptr.dtype.element_ty))
-    row = tl.multiple_of(blk * c_sb + h * c_sh + off * c_sn, VEC)  # host-checked: rows start VEC-aligned
-    page = tl.multiple_of(cache, PTR_ALIGN) + row[:, None] + d[None, :]
     chunk = kv_ptr + layer * kv_sl + t[:, None].to(tl.int64) * kv_st + h * kv_sh + d[None, :]
     if TO_PAGES:
         tl.store(page, tl.load(chunk, mask=mask), mask=mask)
@@ -129,13 +138,13 @@ class PackedPages:
         if first.stride(3) != 1:
             raise PagedLayoutError(f"the content axis of the caches must be contiguous, strides are {first.stride()}")
         self.strides = tuple(int(s) for s in first.stride()[:3])
-        self._launch = Launcher(self.device)
+        self.launch = Launcher(self.device)
         ptrs = [c.data_ptr() for c in caches]
         self.table = torch.tensor(ptrs, dtype=torch.int64).to(self.device)
-        self._ptr_align = _pow2_dividing([*ptrs, 16], first.element_size())
-        self._vec = _pow2_dividing([*self.strides, head_size, 16 // first.element_size()], 1)
+        self.ptr_align = _pow2_dividing([*ptrs, 16], first.element_size())
+        self.vec = _pow2_dividing([*self.strides, head_size, 16 // first.element_size()], 1)
         self.block_tokens, self.num_warps = block_tokens, num_warps
-        self._block_d = triton.next_power_of_2(head_size)
+        self.block_d = triton.next_power_of_2(head_size)
 
     @property
     def num_slots(self) -> int:
@@ -164,10 +173,10 @@ class PackedPages:
         view = _INT_VIEW[kv.element_size()]
         layers, _, tokens, heads, _ = kv.shape
         grid = (cdiv(tokens, self.block_tokens), heads, layers)
-        self._launch(_move, grid, kv.view(view), self.table[first_layer:], slots, tokens, self.block_size,
+        self.launch(_move, grid, kv.view(view), self.table[first_layer:], slots, tokens, self.block_size,
                      *kv.stride()[:4], *self.strides,
-                     HEAD=self.head_size, BT=self.block_tokens, BD=self._block_d, VEC=self._vec,
-                     PTR_ALIGN=self._ptr_align, TO_PAGES=to_pages, num_warps=self.num_warps)
+                     HEAD=self.head_size, BT=self.block_tokens, BD=self.block_d, VEC=self.vec,
+                     PTR_ALIGN=self.ptr_align, TO_PAGES=to_pages, num_warps=self.num_warps)
 
     def _check(self, first_layer: int, kv: torch.Tensor, slots: torch.Tensor, name: str) -> int:
         want = (self.num_heads, self.head_size)

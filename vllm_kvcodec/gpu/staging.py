@@ -68,4 +68,9 @@ def host_slots(staging: torch.Tensor, at: int, slots: list[int]) -> torch.Tensor
 
 
 def align8(n: int) -> int:
-    return -(-n // 8) * 8
+    return align(n, 8)
+
+
+def align(n: int, to: int) -> int:
+    """``n`` rounded up to a multiple of ``to`` (a section's offset in a staging buffer)."""
+    return -(-n // to) * to

@@ -5,7 +5,9 @@ object on its I/O threads as for host memory; this placement supplies the rest:
 
 1. Into a pinned staging buffer (:class:`~vllm_kvcodec.gpu.staging.StagingPool`,
    one per thread): the bf16 ``splitzip`` payload as is; for a bf16 ``video``
-   (HEVC) object its sign+mantissa bytes (the stream goes to NVDEC); for every
+   (HEVC) object its sign+mantissa bytes (the stream goes to NVDEC); for a lossy
+   ``quantized`` object (LOSSY: NOT BIT-EXACT) its integers, rANS-decoded and
+   checked on the host, its scales and kept values, in one copy; for every
    other codec, the tensor the CPU codec decodes; plus the slots (the
    scheduler's list, checked on the host against its group's cache: no device sync).
 2. On the side stream: H2D copies, then the Triton SplitZip decode (device-
@@ -23,7 +25,9 @@ object on its I/O threads as for host memory; this placement supplies the rest:
    NVDEC is missing (no PyNvVideoCodec, no driver library, no decoder, or it
    reports the stream unsupported) the CPU codec decodes (logged once).
 3. On the side stream: the Triton scatter of the whole layer group
-   (:class:`~vllm_kvcodec.gpu.scatter_triton.PackedPages`, one launch) or, for
+   (:class:`~vllm_kvcodec.gpu.scatter_triton.PackedPages`, one launch; for a
+   lossy object :func:`~vllm_kvcodec.gpu.dequant_triton.dequantize_into_pages`,
+   which dequantises as it scatters, bit-exact with the CPU decoder) or, for
    layouts it does not cover and for layers of several vLLM KV cache groups
    (each with its own slots), each layer's page layout (torch indexing, on the device).
 4. When the last object of a layer group is enqueued, one CUDA event is
@@ -47,6 +51,7 @@ after vLLM starts recomputing those blocks.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -59,15 +64,17 @@ from vllm_kvcodec.codecs.dtypes import DType
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.codecs.video_layout import geometry as video_geometry
 from vllm_kvcodec.format.device_chunks import is_nvdec_video, parse_video_payload, value_check
+from vllm_kvcodec.format.device_quantized import SECTION_ALIGN, StagedQuantized, is_quantized, unpack_quantized
 from vllm_kvcodec.format import ChunkHeader, decode_payload, payload_of
 from vllm_kvcodec.gpu import nvcodec
 from vllm_kvcodec.gpu.block_reads import layout_blocks
+from vllm_kvcodec.gpu.dequant_triton import QuantizedKV, dequantize_into_pages
 from vllm_kvcodec.gpu.launch import can_run_on, interpreted
 from vllm_kvcodec.gpu.nvdec_join_triton import READBACK_BYTES, exponent_digest_into, join_exponents
 from vllm_kvcodec.gpu.nvdec_sessions import NvdecDecoders, PlanesSession, SessionPool
 from vllm_kvcodec.gpu.scatter_triton import check_slots, packed_pages_for
 from vllm_kvcodec.gpu.side_stream import SideStream
-from vllm_kvcodec.gpu.staging import StagingPool, align8, host_slots
+from vllm_kvcodec.gpu.staging import StagingPool, align, align8, host_slots
 from vllm_kvcodec.keys.chain import ObjectAddresses
 from vllm_kvcodec.gpu import splitzip_triton as sz
 from vllm_kvcodec.load.fetcher import Fetcher
@@ -143,6 +150,8 @@ class CudaPlacement(Placement):
     def decode(self, blob: bytes, header: ChunkHeader, spans: list[Span]) -> Decoded:
         """Stage, copy and decode one object on the side stream; returns once its staging buffer is free."""
         slots = self._checked_slots(spans)
+        if self._dequantizes(header, spans):
+            return self._decode_quantized(blob, header, spans, slots)
         if is_nvdec_video(header) and (pool := self.nvdec.pool()) is not None:
             try:
                 return self._decode_video(blob, header, spans, slots, pool)
@@ -187,6 +196,28 @@ class CudaPlacement(Placement):
             if check is not None:
                 check.verify(host[at_back:].numpy().tobytes())
         return Decoded(kv, list(spans), on_device, _per_group(dev_slots, spans))
+
+    def _dequantizes(self, header: ChunkHeader, spans: list[Span]) -> bool:
+        """A lossy ``quantized`` object the kernel dequantises into the pages: packed K‖V caches of one KV cache group,
+        canonical objects (every lossy namespace is, whatever the engine's own: connector/precisions.py), no value
+        digest (the CPU decode checks one; the kernel keeps no values to hash)."""
+        return (is_quantized(header) and self.pages is not None and len(spans) == 1 and header.value_digest is None
+                and sys.byteorder == "little")
+
+    def _decode_quantized(self, blob: bytes, header: ChunkHeader, spans: list[Span], slots: list[int]) -> Decoded:
+        """rANS and every check on the host; the integers, scales, kept values and slots staged and copied at once."""
+        codec, parts = unpack_quantized(blob, header)  # raises on anything bad: nothing staged, nothing written
+        staged = StagedQuantized.of(codec, parts, header)
+        at_slots = align(staged.nbytes, SECTION_ALIGN)
+        with self.staging.take(at_slots + 8 * len(slots)) as host:
+            staged.write(host)
+            host_slots(host, at_slots, slots)
+            with self.side.active():
+                dev = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+                dev.copy_(host, non_blocking=True)
+                copied = self.side.record()
+            self.side.host_wait(copied)  # this I/O thread only: staging reusable
+        return Decoded(staged.on_device(dev), list(spans), True, [dev[at_slots:].view(torch.int64)])
 
     def order_after_reads(self, chunks: list[ChunkLoad]) -> None:
         """The side stream waits (on the device) for the save gathers that read any block these chunks write."""
@@ -273,7 +304,8 @@ class CudaPlacement(Placement):
             self.side.stream.synchronize()  # start-up, not the engine's stream
 
     def _warm_pages(self, object_shape: tuple[int, ...], tokens: int) -> None:
-        """Gather then scatter back the same slots (contents unchanged), for a whole chunk and a partial one."""
+        """Gather then scatter back the same slots (contents unchanged), for a whole chunk and a partial one; the
+        dequantising scatter the same way."""
         layers = object_shape[0]
         if layers > len(self.caches):
             return
@@ -288,6 +320,7 @@ class CudaPlacement(Placement):
                 part = whole[:, :, first : first + count]
                 self.pages.gather(layer, slots, part)
                 self.pages.scatter(layer, part, slots)
+                _warm_dequantize(self.pages, layer, whole, first, slots)
 
     def shutdown(self) -> None:
         self.nvdec.close()
@@ -295,6 +328,10 @@ class CudaPlacement(Placement):
     def scatter(self, layers: range, decoded: Decoded) -> None:
         groups = {self.cache_groups[layer] for layer in layers}
         with self.side.active():
+            if isinstance(decoded.kv, QuantizedKV):  # one group, packed pages (_dequantizes)
+                dequantize_into_pages(self.pages, layers.start, decoded.kv, decoded.spans[0].first_token,
+                                      decoded.device_slots[0])
+                return
             if isinstance(self.objects_of(decoded), PageObjects):  # whole pages: block copies on the device
                 self.write_layers(layers, decoded)
                 return
@@ -352,6 +389,20 @@ def _slots_per_group(caches: list[torch.Tensor], layouts: list[PagedLayout], cac
         n = layout.num_slots(cache)
         slots[group] = min(slots.get(group, n), n)
     return slots
+
+
+def _warm_dequantize(pages: Any, layer: int, whole: torch.Tensor, first: int, slots: torch.Tensor) -> None:
+    """Compile the dequantising scatter: an object whose every layer is kept at full precision, holding the bits just
+    gathered, so it writes them back unchanged (its integer arguments are not specialised on: one kernel for all)."""
+    if whole.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return
+    layers, _, tokens, heads, dim = whole.shape
+    bits = whole.contiguous().view(torch.int32 if whole.element_size() == 4 else torch.int16).reshape(-1)
+    none = torch.empty((0, tokens, heads, dim), dtype=torch.uint8, device=whole.device)
+    scales = torch.empty((0, heads, dim), dtype=torch.float32, device=whole.device)
+    per_token = torch.empty((0, tokens, heads), dtype=torch.float32, device=whole.device)
+    q = QuantizedKV(none, none, scales, scales, per_token, per_token, bits, layers, tokens, layers, 0, whole.dtype)
+    dequantize_into_pages(pages, layer, q, first, slots)
 
 
 def _warm_value_digest(values: torch.Tensor) -> None:

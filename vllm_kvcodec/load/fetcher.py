@@ -183,6 +183,8 @@ class Fetcher:
     def _counted_batch(self, job: LoadJob, group: int, batch: list[tuple[int, ChunkLoad]]) -> None:
         try:
             self._load_batch(job, group, batch)
+        except Exception:  # a bug, not a failed read: its objects settle at the job's deadline (recomputed)
+            logger.exception("kvcodec: a load batch of group %d raised", group)
         finally:
             self._batch_settled()
 
@@ -335,7 +337,8 @@ class Fetcher:
         with value:
             head, header = read_head(value, key)
             layers = self.groups[group]
-            self._check(header, chunk, len(layers), key, self._objects[chunk.precisions[0]])
+            self._check(header, chunk, len(layers), key, self._objects[chunk.precisions[0]],
+                        chunk.precisions[0])
             runs = self._page_runs(layers, chunk.spans, header, chunk.precisions[0]) if is_raw(header) else None
             if runs is None:  # compressed, or not landing whole: read it all, then decode and scatter
                 blob = value.read(0, value.size)
@@ -373,7 +376,7 @@ class Fetcher:
         t1 = time.perf_counter()
         header = read_header(blob, key=key)  # sizes, checksum and key binding: a swapped object is rejected
         layers = self.groups[group]
-        self._check(header, chunk, len(layers), key, objects)
+        self._check(header, chunk, len(layers), key, objects, precision)
         if (runs := self._page_runs(layers, chunk.spans, header, precision)) is not None:
             t2 = self._into_pages(job, blob, header, runs)
             on_device = False
@@ -417,10 +420,14 @@ class Fetcher:
         if self.observe_object is not None:
             self.observe_object(precision, nbytes, header.raw_nbytes, decode_s)
 
-    def _check(self, header: ChunkHeader, chunk: ChunkLoad, num_layers: int, key: str, objects: ObjectLayout) -> None:
+    def _check(self, header: ChunkHeader, chunk: ChunkLoad, num_layers: int, key: str, objects: ObjectLayout,
+               precision: str) -> None:
         """Before anything is decoded: the object must hold exactly one layer group of this engine's KV for the
         chunk's tokens, as ``objects`` lay it out, and record this prompt's tokens for every token the load
-        writes (``chunk.expect``)."""
+        writes (``chunk.expect``). A lossless read takes no lossy object, whatever key it is bound to (the
+        namespaces keep them apart; this keeps a miswritten store from doing otherwise)."""
+        if precision == LOSSLESS and stored_precision(header.codec_config) != LOSSLESS:
+            raise LoadError(f"object {key} is lossy ({header.codec_config.get('id')}), read as lossless", "mismatch")
         first = self.groups[0][0]
         a = self.layouts[first]
         tokens = chunk.object_tokens or self.addresses.namespace.chunk_size

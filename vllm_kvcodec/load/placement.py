@@ -24,14 +24,16 @@ from vllm_kvcodec.plans.spans import Span
 
 if TYPE_CHECKING:
     from vllm_kvcodec.gpu.block_reads import BlockReads
+    from vllm_kvcodec.gpu.dequant_triton import QuantizedKV
     from vllm_kvcodec.plans.loads import ChunkLoad
 
 
 @dataclasses.dataclass
 class Decoded:
-    """One object's KV (the object layout's shape) and, per KV cache group, the chunk's span there."""
+    """One object's KV (the object layout's shape), or a lossy object's integers and scales on the device (which
+    its scatter dequantises), and, per KV cache group, the chunk's span there."""
 
-    kv: torch.Tensor
+    kv: torch.Tensor | QuantizedKV
     spans: list[Span]  # one per KV cache group: where its tokens start in the chunk, and their slots
     on_device: bool = False  # decoded by a device kernel (counted as gpu_decoded_objects)
     device_slots: list[torch.Tensor] | None = None  # the spans' slots, already where the caches are (CUDA)

@@ -39,7 +39,9 @@ def warm_up(dtype: torch.dtype) -> dict[str, float]:
         except ConfigError as exc:  # an installed plug-in that does not import: it is refused where it is named
             logger.warning("kvcodec: codec %s not warmed up: %s", codec_id, exc)
             continue
-        if not codec.supports(wire) or codec_id == "video":  # libav: no JIT, and its own start-up
+        # video: libav, no JIT and its own start-up; a lossy codec: only a precision level stores with it, and its
+        # kernels are rans's, warmed here anyway.
+        if not codec.supports(wire) or codec_id == "video" or not codec.lossless:
             continue
         if not codec.lossless:  # only a precision level names it; its rANS planes are rans's kernels, warmed there
             continue

@@ -29,6 +29,30 @@ def bench_codecs(
     codecs.run(output, tokens=tokens, chunk_tokens=chunk_tokens, repeats=repeats)
 
 
+@bench_app.command("layouts")
+def bench_layouts(
+    precision: Optional[list[str]] = typer.Option(None, "--precision", help="Lossy level(s) whose integers to code (repeatable; default int8)."),
+    tokens: int = typer.Option(1024, min=1, help="Tokens of real KV, cut into 256-token chunks."),
+    repeats: int = typer.Option(3, min=1, help="Timed passes per candidate (the median is reported)."),
+    candidate: Optional[list[str]] = typer.Option(None, "--candidate", help="Only these candidates (repeatable; default all)."),
+    json_out: Path = typer.Option(RESULTS / "layouts.json", "--json", help="JSON file to write."),
+) -> None:
+    """KVCodec's layout claim: a lossy level's integers coded by rANS, HEVC (KVCodec's layout and a naive one) and FFV1."""
+    from vllm_kvcodec.codecs.precision import LEVELS
+
+    levels = tuple(precision or ("int8",))
+    if bad := [p for p in levels if p not in LEVELS]:
+        fail(ValueError(f"precision {bad[0]!r} is not a lossy level ({', '.join(LEVELS)})"))
+    from vllm_kvcodec.tools.bench import layouts
+
+    names = tuple(candidate) if candidate else None
+    try:
+        layouts.pick(names)
+    except ValueError as exc:
+        fail(exc)
+    layouts.run(json_out, precisions=levels, tokens=tokens, repeats=repeats, names=names)
+
+
 @bench_app.command("stores")
 def bench_stores(
     output: Path = typer.Option(RESULTS / "stores.json", help="JSON file to write."),
@@ -224,6 +248,31 @@ def bench_ttft(
     ttft.run(output, codecs=codec or None, gbps=gbps or None, rtt_ms=rtt_ms, prefix_tokens=prefix_tokens,
              suffix_tokens=suffix_tokens, repeats=repeats, video=video, quick=quick, store=store,
              replay=replay, replay_only=replay_only, replay_repeats=replay_repeats, load_wait=load_wait)
+
+
+@bench_app.command("quality")
+def bench_quality(
+    output: Path = typer.Option(RESULTS / "quality.json", "--json", help="JSON file to write."),
+    precision: Optional[list[str]] = typer.Option(
+        None, "--precision", help="Lossy level(s) to measure, e.g. int8 or 'int4,sink_tokens=4,full_layers=2' "
+                                  "(repeatable; default int8). The lossless control always runs."),
+    text: Optional[Path] = typer.Option(None, "--text", exists=True, dir_okay=False,
+                                        help="A local UTF-8 text (default: CPython's pydoc_data.topics)."),
+    prefix_tokens: Optional[list[int]] = typer.Option(None, "--prefix-tokens", help="Prefix length(s), whole 256-token chunks (repeatable; default 512, 1024, 2048)."),
+    continuation_tokens: int = typer.Option(128, help="Tokens scored teacher-forced after each prefix."),
+    greedy_tokens: int = typer.Option(64, help="Greedy tokens within which a divergence is looked for."),
+    windows: int = typer.Option(8, help="Disjoint windows of the text, each scored at every prefix length."),
+    threads: int = typer.Option(1, min=1, help="Torch threads."),
+) -> None:
+    """LOSSY: NOT BIT-EXACT. ΔNLL, KL and top-1 agreement of SmolLM2 scoring a text on KV stored at a precision level."""
+    from vllm_kvcodec.tools.bench import quality
+
+    try:
+        quality.run(output, levels=precision or None, text=text, prefix_tokens=tuple(prefix_tokens or (512, 1024, 2048)),
+                    continuation_tokens=continuation_tokens, greedy_tokens=greedy_tokens, windows=windows,
+                    threads=threads)
+    except ValueError as exc:  # ConfigError among them: a bad level, prefix, or a text too short
+        fail(exc)
 
 
 @bench_app.command("fuzz")

@@ -4,7 +4,8 @@ Shared by the interpreter tests (CPU tensors), the ``gpu``-marked tests and
 the device check (``benchmarks/gpu_check.py``), so all three exercise the same
 odd cases: request block tables in random, non-contiguous order, a chunk whose
 first tokens are already cached (a partial first block), several codecs (the
-bf16 ``splitzip`` decodes on the device, the others on the CPU), and the
+bf16 ``splitzip`` decodes on the device, a lossy ``quantized`` object is
+dequantised there, the others decode on the CPU), and the
 physical stride orders vLLM 0.33 uses for the packed K‖V layout. The expected
 caches come from :class:`~vllm_kvcodec.paged.PackedKVLayout` (torch indexing
 on the CPU: what the CPU fetcher writes). Imports no vLLM. Counters are the
@@ -23,7 +24,8 @@ from typing import Any
 import torch
 
 from storage import open_store
-from vllm_kvcodec.format import encode_chunk
+from vllm_kvcodec.codecs.precision import LEVELS, LOSSLESS, Precision
+from vllm_kvcodec.format import decode_chunk, encode_chunk
 from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses
 from vllm_kvcodec.paged import Geometry, PackedKVLayout
 from vllm_kvcodec.plans.spans import Span
@@ -35,7 +37,7 @@ ORDERS = ("NHD", "HND")
 
 @dataclasses.dataclass
 class Chunk:
-    """Duck-types :class:`vllm_kvcodec.connector.metadata.ChunkLoad` (which imports vLLM): one KV cache group."""
+    """Duck-types :class:`vllm_kvcodec.plans.loads.ChunkLoad`: one KV cache group."""
 
     chunk_hash: str
     first_token: int
@@ -43,6 +45,7 @@ class Chunk:
     block_ids: list[int]
     object_tokens: int | None = None  # always a full chunk here
     expect: None = None  # the objects here record no prompt's tokens (made for the check, not by the connector)
+    precisions: tuple[str, ...] = (LOSSLESS,)  # read from the engine's own namespace only
 
     @property
     def spans(self) -> list[Span]:
@@ -55,7 +58,7 @@ class Chunk:
 
 @dataclasses.dataclass
 class Spec:
-    """Duck-types :class:`vllm_kvcodec.connector.metadata.LoadSpec`."""
+    """Duck-types :class:`vllm_kvcodec.plans.loads.LoadSpec`."""
 
     req_id: str
     chunks: list[Chunk]
@@ -71,7 +74,7 @@ class Scenario:
     addresses: ObjectAddresses
     store: object
     specs: list[Spec]
-    codecs: list[str]
+    codecs: list[str | Precision]
     index: dict[str, int]  # chunk hash -> chunk number in kv
 
     @property
@@ -90,25 +93,38 @@ class Scenario:
         return [whole[i].transpose(1, 2) if order == "NHD" else whole[i] for i in range(layers)]
 
     def expected(self, failed_chunks: set[tuple[str, int]] = frozenset()) -> list[torch.Tensor]:
-        """What a correct load leaves in the caches (CPU, layout scatter); ``failed_chunks``: (hash, group) left out."""
+        """What a correct load leaves in the caches (CPU, layout scatter); ``failed_chunks``: (hash, group) left out.
+
+        A lossy object's values are what the CPU decoder makes of it (the reference dequantisation), not the KV.
+        """
         caches = self.caches("cpu")
         layout = PackedKVLayout(self.geometry)
         for spec in self.specs:
             for chunk in spec.chunks:
-                start = self.index[chunk.chunk_hash] * self.chunk_size + chunk.first_token
+                c = self.index[chunk.chunk_hash]
                 slots = torch.tensor(chunk.slots, dtype=torch.int64)
                 for g, layers in enumerate(self.addresses.groups):
                     if (chunk.chunk_hash, g) in failed_chunks:
                         continue
+                    if lossy(self.codecs[c % len(self.codecs)]):
+                        kv, at = decode_chunk(self.store.get(self.addresses.key(chunk.chunk_hash, g))), -layers.start
+                    else:
+                        kv, at = self.kv[:, :, c * self.chunk_size : (c + 1) * self.chunk_size], 0
                     for layer in layers:
-                        part = self.kv[layer, :, start : start + len(chunk.slots)].contiguous()
+                        part = kv[layer + at, :, chunk.first_token : chunk.first_token + len(chunk.slots)].contiguous()
                         layout.scatter(caches[layer], slots, part)
         return caches
 
 
+def lossy(codec: str | Precision) -> bool:
+    """Whether ``codec`` (a name in :func:`build`'s ``codecs``) is a lossy precision level rather than a codec."""
+    return isinstance(codec, Precision) or codec in LEVELS
+
+
 def build(kv: torch.Tensor, *, chunk_size: int, layers_per_object: int, block_size: int,
-          codecs: list[str], first_token: int = 0, requests: int = 2, seed: int = 0) -> Scenario:
-    """Store every chunk of ``kv`` (codec per chunk, cycling through ``codecs``) and plan loading them.
+          codecs: list[str | Precision], first_token: int = 0, requests: int = 2, seed: int = 0) -> Scenario:
+    """Store every chunk of ``kv`` (codec per chunk, cycling through ``codecs``: a codec, or a lossy precision
+    level, LOSSY: NOT BIT-EXACT, by name or as a :class:`~vllm_kvcodec.codecs.precision.Precision`) and plan loading them.
 
     The chunks are split over ``requests`` requests; each request's blocks
     are drawn at random (non-contiguous, shuffled) from a cache with spare
@@ -129,7 +145,8 @@ def build(kv: torch.Tensor, *, chunk_size: int, layers_per_object: int, block_si
     for c, h in enumerate(hashes):
         codec = codecs[c % len(codecs)]
         part = kv[:, :, c * chunk_size : (c + 1) * chunk_size]
-        store.put_many([(addresses.key(h, g), encode_chunk(part[r.start : r.stop].contiguous(), codec, key=addresses.key(h, g)))
+        how = {"precision": codec} if lossy(codec) else {"codec": codec}
+        store.put_many([(addresses.key(h, g), encode_chunk(part[r.start : r.stop].contiguous(), key=addresses.key(h, g), **how))
                         for g, r in enumerate(groups)])
     gen = torch.Generator().manual_seed(seed)
     blocks_per_chunk = chunk_size // block_size
@@ -161,7 +178,7 @@ def caches_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
     return len(got) == len(want) and all(torch.equal(bits(g.cpu()), bits(w)) for g, w in zip(got, want))
 
 
-__all__ = ["ORDERS", "Chunk", "Scenario", "Spec", "bits", "build", "caches_equal"]
+__all__ = ["ORDERS", "Chunk", "Scenario", "Spec", "bits", "build", "caches_equal", "lossy"]
 
 
 def swap_escape_positions(blob: bytes, key: str) -> bytes:

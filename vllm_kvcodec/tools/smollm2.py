@@ -95,13 +95,14 @@ def sample_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def sample_token_ids(num_tokens: int) -> list[int]:
+def sample_token_ids(num_tokens: int, text: str | None = None) -> list[int]:
+    """The first ``num_tokens`` tokens of ``text`` (default :func:`sample_text`), as the model's tokenizer cuts it."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir())
-    ids = tok(sample_text(), add_special_tokens=False)["input_ids"]
+    ids = tok(sample_text() if text is None else text, add_special_tokens=False)["input_ids"]
     if len(ids) < num_tokens:
-        raise ValueError(f"sample text has only {len(ids)} tokens, asked for {num_tokens}")
+        raise ValueError(f"the text has only {len(ids)} tokens, asked for {num_tokens}")
     return ids[:num_tokens]
 
 
@@ -121,12 +122,16 @@ def real_kv(num_tokens: int = 1024, dtype: torch.dtype = torch.bfloat16) -> torc
     return kv
 
 
-def _compute_kv(num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+def load_model(dtype: torch.dtype = torch.bfloat16):
+    """The converted model in transformers, for inference, offline."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=dtype)
-    model.eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir(), dtype=dtype).eval()
+
+
+def _compute_kv(num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    model = load_model(dtype)
     ids = torch.tensor([sample_token_ids(num_tokens)])
     with torch.inference_mode():
         out = model(input_ids=ids, use_cache=True)
@@ -140,3 +145,12 @@ def kv_from_cache(cache) -> torch.Tensor:
         k, v = layer.keys[0], layer.values[0]  # [heads, tokens, dim]
         layers.append(torch.stack((k.transpose(0, 1), v.transpose(0, 1))))
     return torch.stack(layers).contiguous()
+
+
+def cache_from_kv(kv: torch.Tensor, config):
+    """The inverse of :func:`kv_from_cache`: a transformers ``DynamicCache`` holding ``kv`` (canonical layout), from
+    which a forward pass continues the sequence as if it had computed those tokens itself."""
+    from transformers import DynamicCache
+
+    layers = [(kv[i, 0].transpose(0, 1).unsqueeze(0), kv[i, 1].transpose(0, 1).unsqueeze(0)) for i in range(kv.shape[0])]
+    return DynamicCache(layers, config=config)

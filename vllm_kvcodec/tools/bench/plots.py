@@ -207,6 +207,66 @@ def trace_ttft_figure(result: dict[str, Any]) -> Figure:
     return fig
 
 
+PRECISION_COLOURS = {"lossless": "#d62728", "int8": "#1f77b4", "int6": "#2ca02c", "int4": "#9467bd"}
+
+
+def quality_figure(result: dict[str, Any]) -> Figure:
+    """``bench quality``: rate against distortion. ΔNLL per token (95 % interval) and mean KL against the bits each
+    value is stored in; grey: bf16 arithmetic alone (the noise floor); orange: the papers' reported ratios, as bands
+    (their models; they report no ΔNLL)."""
+    fig = Figure(figsize=(10, 5), layout="constrained")
+    nll_ax, kl_ax = fig.subplots(1, 2)
+    floor = result.get("noise_floor")
+    if floor:
+        ci = floor["delta_nll_ci95"] or [floor["delta_nll"]] * 2
+        nll_ax.axhspan(ci[0], ci[1], color="#7f7f7f", alpha=0.2, label=f"{floor['name']}: 95 % interval")
+        kl_ax.axhline(floor["kl_mean"], color="#7f7f7f", linestyle="--")
+        kl_ax.text(0.99, floor["kl_mean"], "bf16 arithmetic alone ", transform=kl_ax.get_yaxis_transform(), ha="right",
+                   va="bottom", fontsize=7, color="#555555")
+    for r in (result["control"], *result["results"]):
+        kept = r["precision"]["sink_tokens"] or r["precision"]["full_layers"]
+        style = {"fmt": "s" if kept else "o", "color": PRECISION_COLOURS.get(r["precision"]["name"], "#8c564b"),
+                 "mfc": "white" if kept else None}
+        label = f"{r['name']}: {r['ratio']:.2f}x" + (", bit-exact (control)" if r["bit_exact"] else "")
+        ci = r["delta_nll_ci95"] or [r["delta_nll"]] * 2
+        nll_ax.errorbar(r["bits_per_value"], r["delta_nll"], yerr=[[r["delta_nll"] - ci[0]], [ci[1] - r["delta_nll"]]],
+                        capsize=3, label=label, **style)
+        if not r["bit_exact"]:  # the control's KL is 0: no place on a log axis
+            kl_ax.errorbar(r["bits_per_value"], r["kl_mean"], **style)
+    nll_ax.axhline(0, color="black", linewidth=0.6)
+    nll_ax.axhline(0.01, color="#1f77b4", linestyle=":", linewidth=1)
+    nll_ax.text(0.99, 0.01, "int8's target: ΔNLL <= 0.01 ", transform=nll_ax.get_yaxis_transform(), ha="right",
+                va="bottom", fontsize=7, color="#1f77b4")
+    for ax in (nll_ax, kl_ax):
+        _reported_bands(ax, result.get("reported", []))
+        ax.axvline(16, color="#7f7f7f", linestyle=":", linewidth=1)
+        ax.text(16, 0.98, "raw bf16 ", transform=ax.get_xaxis_transform(), ha="right", va="top", fontsize=7)
+        ax.set_xlim(0, 17)
+        ax.set_xlabel("stored bits per value (16 / ratio, all included)")
+        ax.grid(True, alpha=0.3)
+    kl_ax.set_yscale("log")
+    nll_ax.set_ylabel("ΔNLL, nats per token (95 % interval)")
+    kl_ax.set_ylabel("mean KL(computed KV || stored KV), nats")
+    handles, labels = nll_ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=7)
+    fig.suptitle(f"{result['model']}: what each precision level costs (lossy: not bit-exact)\n"
+                 "orange: ratios as reported, their models, not ours; they report no ΔNLL", fontsize=10)
+    return fig
+
+
+def _reported_bands(ax: Any, reported: list[dict[str, Any]]) -> None:
+    """Each paper's ratio at 16 / ratio bits per value: a band for a range, a dashed line for one figure."""
+    for paper in reported:
+        low, high = (16 / x for x in sorted(paper["ratio"], reverse=True))
+        if high - low > 1e-9:
+            ax.axvspan(low, high, color="#ff7f0e", alpha=0.15)
+        else:
+            ax.axvline(low, color="#ff7f0e", linestyle="--", linewidth=1)
+        ratio = "-".join(f"{x:g}" for x in dict.fromkeys(paper["ratio"]))
+        ax.text(high + 0.05, 0.03, f" {paper['name']} {ratio}x, as reported", transform=ax.get_xaxis_transform(),
+                rotation=90, ha="left", va="bottom", fontsize=7, color="#a04000")
+
+
 def _short(name: str) -> str:
     """``video(backend=hevc,layout=1)`` -> ``video hevc``; ``zstd(level=1)`` -> ``zstd-1``."""
     if name.startswith("zstd(level="):

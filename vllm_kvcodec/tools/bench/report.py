@@ -21,10 +21,23 @@ def machine() -> dict[str, Any]:
     return {
         "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(),
+        **_cpu_model(),
         "cores": os.cpu_count(),
+        "load_average": list(os.getloadavg()),
         "torch": torch.__version__,
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def _cpu_model() -> dict[str, Any]:
+    """The processor's name and its AMX flags: figures differ between the AMX Xeons and the EPYCs these run on."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    names = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return {"cpu_model": names[0] if names else None, "amx": sorted(f for f in set(flags) if f.startswith("amx"))}
 
 
 def write_json(result: dict[str, Any], output: Path | None) -> None:
