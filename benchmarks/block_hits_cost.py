@@ -94,6 +94,8 @@ def run_row(name: str, extra: dict[str, Any] | None, prompts: list[list[int]], o
                 "store_objects": held.objects, "store_bytes": held.stored_bytes, "store_raw_bytes": held.raw_bytes,
                 "store_refs": held.refs, "store_ref_bytes": held.ref_bytes,
                 "store_bytes_per_request": held.stored_bytes // n, "store_refs_per_request": round(held.refs / n, 2),
+                # per precision (lossless, a lossy level): objects, bytes and encode thread-seconds (operations.md)
+                "precision": {k: round(v, 4) for k, v in stats.items() if k.startswith("precision_")},
             })
         return row
     finally:
@@ -103,28 +105,36 @@ def run_row(name: str, extra: dict[str, Any] | None, prompts: list[list[int]], o
         cleanup_dist_env_and_memory()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=16)
+def measure(rows: dict[str, dict[str, Any] | None], description: str, output: str, prompts: int = 16,
+            output_len: int = 24) -> tuple[argparse.Namespace, list[dict[str, Any]]]:
+    """Run the rows the command line names (``rows``: the connector settings of each), print each, write them all
+    to ``--output``; the defaults are this benchmark's unless given (benchmarks/lossy_variant_cost.py reuses it)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--prompts", type=int, default=prompts)
     ap.add_argument("--shortest", type=int, default=300)
     ap.add_argument("--longest", type=int, default=1100)
-    ap.add_argument("--output-len", type=int, default=24)
+    ap.add_argument("--output-len", type=int, default=output_len)
     ap.add_argument("--chunk-size", type=int, default=256)
-    ap.add_argument("--rows", default=",".join(ROWS))
-    ap.add_argument("--output", type=Path, default=Path("bench-results/block_hits_cost.json"))
+    ap.add_argument("--rows", default=",".join(rows))
+    ap.add_argument("--output", type=Path, default=Path(output))
     args = ap.parse_args()
-    prompts = unique_prompts(args.prompts, args.shortest, args.longest)
-    rows = []
+    texts = unique_prompts(args.prompts, args.shortest, args.longest)
+    done = []
     for name in args.rows.split(","):
-        row = run_row(name, ROWS[name], prompts, args.output_len, args.chunk_size)
+        row = run_row(name, rows[name], texts, args.output_len, args.chunk_size)
         print(json.dumps(row), flush=True)
-        rows.append(row)
+        done.append(row)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": done}, indent=2))
+    return args, done
+
+
+def main() -> None:
+    args, rows = measure(ROWS, __doc__.splitlines()[0], "bench-results/block_hits_cost.json")
     base = next((r["requests_per_s"] for r in rows if r["row"] == "none"), None)
     for r in rows:
         if base:
             r["throughput_vs_none"] = round(r["requests_per_s"] / base, 3)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
     print(f"{'row':12} {'req/s':>7} {'vs none':>8} {'cpu s/req':>10} {'encode s/req':>13} {'objects/req':>12} "
           f"{'MB/req':>7} {'refs/req':>9} {'ref B/req':>10}")
     for r in rows:

@@ -198,9 +198,13 @@ def sec_lossy_fetcher(d: dict) -> None:
         sc.store.put(key, build_chunk(memoryview(blob)[head.payload_offset : head.payload_offset + head.payload_length],
                                       head.dtype, head.shape, head.codec_config, key=key))
     sc.codecs = [f"int{read_header(blobs[n]).codec_config['bits']}" for n in names]  # lossy: the CPU decoder's values
+    for spec in sc.specs:  # read as the lossy levels they are (a lossless read refuses a lossy object)
+        for chunk in spec.chunks:
+            chunk.precisions = (sc.codecs[sc.index[chunk.chunk_hash] % len(names)],)
     caches = sc.caches(DEVICE)
     stats = ConnectorStats()
-    fetcher = CudaFetcher(sc.store, sc.addresses, caches, [PackedKVLayout(sc.geometry)] * len(caches), 4, stats)
+    fetcher = CudaFetcher(sc.store, sc.addresses, caches, [PackedKVLayout(sc.geometry)] * len(caches), 4, stats,
+                          variants={level: sc.addresses for level in sc.codecs})
     try:
         t = time.perf_counter()
         job = fetcher.submit(sc.specs, 120)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.adversarial import reseal
+from tests.support.adversarial import SCALE_DAMAGE, bad_scales_payload, reseal
 from vllm_kvcodec.codecs import get_codec
 from vllm_kvcodec.codecs.dtypes import DType, tensor_to_bits
 from vllm_kvcodec.codecs.policy import LossyCodecError, check_spec
@@ -94,7 +94,7 @@ def _scales_at(blob: bytes) -> int:
     return len(blob) - 8 - read_header(blob).payload_len + 4
 
 
-@pytest.mark.parametrize("damage", ["zero step", "nan step", "inf minimum", "truncated scales", "integer range"])
+@pytest.mark.parametrize("damage", [*SCALE_DAMAGE, "integer range"])
 def test_bad_scales_or_integers_are_a_failed_load(chunk, damage) -> None:
     """Each damage is resealed (a valid checksum), so the codec's own checks must catch it."""
     kv = chunk[:2].contiguous()
@@ -105,32 +105,10 @@ def test_bad_scales_or_integers_are_a_failed_load(chunk, damage) -> None:
             codec.decode(memoryview(forged), DType.BFLOAT16, tuple(kv.shape))  # 8-bit integers read as 4-bit
         return
     parts = QuantizedCodec(bits=8)
-    bits = tensor_to_bits(kv)[0]
-    good = parts.unpack(memoryview(parts.encode(bits, DType.BFLOAT16)), DType.BFLOAT16, tuple(kv.shape))
-    k_min, k_step = good.k_min.copy(), good.k_step.copy()
-    if damage == "zero step":
-        k_step[0, 0, 0] = 0.0
-    elif damage == "nan step":
-        k_step[1, 2, 3] = np.nan
-    elif damage == "inf minimum":
-        k_min[0, 1, 5] = np.inf
-    payload = _forge(kv, k_min, k_step, good)
-    if damage == "truncated scales":
-        payload = payload[:4] + payload[4:40]  # the scales section cut short
-    blob = _chunk_around(kv, payload)
+    good = parts.unpack(memoryview(parts.encode(tensor_to_bits(kv)[0], DType.BFLOAT16)), DType.BFLOAT16, tuple(kv.shape))
+    blob = _chunk_around(kv, bad_scales_payload(good, damage))
     with pytest.raises(ChunkFormatError):
         decode_chunk(blob)
-
-
-def _forge(kv: torch.Tensor, k_min: np.ndarray, k_step: np.ndarray, good) -> bytes:
-    """A quantized payload with these key scales and the good rest: what a tampering writer could store."""
-    from vllm_kvcodec.codecs.quantized import _SCALES, _half
-    from vllm_kvcodec.codecs.rans import encode_plane
-
-    scales = _SCALES.encode(np.concatenate([_half(a) for a in (k_min, k_step, good.v_min, good.v_step)]),
-                            DType.BFLOAT16)
-    return b"".join((np.uint32(len(scales)).tobytes(), scales, good.kept.tobytes(),
-                     encode_plane(good.keys.reshape(-1)), encode_plane(good.values.reshape(-1))))
 
 
 def _chunk_around(kv: torch.Tensor, payload: bytes) -> bytes:

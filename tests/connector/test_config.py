@@ -31,11 +31,39 @@ def test_defaults_are_lossless_and_need_no_server() -> None:
         ({"fetch_threads": 0}, "fetch_threads"),
         ({"chunk_sise": 256}, "chunk_sise"),
         ({"codec": {"id": "zstd", "level": 99}}, "zstd level"),
+        ({"precision": "int3"}, "precision: Input should be 'lossless', 'int8', 'int6', 'int4' or 'auto'"),
+        ({"precision": "int8", "precision_floor": "int4"}, "precision_floor applies to precision auto only"),
+        ({"precision_sink_tokens": 4}, "precision_sink_tokens applies to a lossy precision"),
+        ({"precision_full_layers": 2}, "precision_full_layers applies to a lossy precision"),
+        ({"precision": "int4", "precision_sink_tokens": 300}, "precision_sink_tokens 300 exceeds chunk_size 256"),
+        ({"precision": "auto", "precision_load_budget_s": 0}, "precision_load_budget_s"),
     ],
 )
 def test_bad_values_name_the_key(extra: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ConnectorConfig.from_extra_config(extra)
+
+
+def test_a_lossy_precision_is_checked_against_the_model(caplog) -> None:
+    """An fp8 cache is 8-bit already: it stays lossless, said in the log. MLA's latent has no K and V to quantise
+    apart, and more full layers than the model has are nonsense: one line each, at start-up."""
+    from vllm_kvcodec.connector.precisions import Precisions, resolve_precision
+
+    lossy = ConnectorConfig.from_extra_config({"precision": "auto", "precision_floor": "int4",
+                                               "precision_sink_tokens": 4, "precision_full_layers": 2})
+    assert resolve_precision(lossy, "bfloat16", 30, use_mla=False) is lossy
+    level = Precisions.from_config(lossy)
+    assert (level.setting, level.variant, level.level.key()) == ("auto", "int4", "int4+sink4+full2")
+    with caplog.at_level("INFO", logger="vllm_kvcodec"):
+        fp8 = resolve_precision(lossy, "fp8_e4m3", 30, use_mla=False)
+    assert fp8.precision == "lossless" and Precisions.from_config(fp8).level is None
+    assert "precision auto: the fp8_e4m3 KV cache is 8-bit already; stored lossless as today" in caplog.text
+    with pytest.raises(ConfigError, match="^precision auto quantises keys and values apart; MLA's latent"):
+        resolve_precision(lossy, "bfloat16", 30, use_mla=True)
+    with pytest.raises(ConfigError, match="^precision_full_layers 2 exceeds the model's 1 layers$"):
+        resolve_precision(lossy, "bfloat16", 1, use_mla=False)
+    plain = ConnectorConfig.from_extra_config(None)
+    assert resolve_precision(plain, "bfloat16", 30, use_mla=True) is plain  # lossless: nothing to check
 
 
 def test_chunk_size_must_be_a_multiple_of_the_block_size_and_the_hit_alignment() -> None:

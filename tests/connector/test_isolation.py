@@ -33,7 +33,7 @@ TOKENS = list(range(1000, 1000 + 512))
         {"head_dim": 128}, {"layout_id": "cpu_attn-vec-v1"}, {"tp_size": 2}, {"chunk_size": 256},
         {"layers_per_object": 6}, {"salt": "tenant-b"}, {"compute": "cuda"}, {"format_version": 2},
         {"dtype": "fp8_e4m3"}, {"kv_scales": "0" * 32}, {"hash_algo": "xxh3_128"}, {"config_inputs": "0" * 64},
-        {"compute_dtype": "float32"}, {"digest_unit": 8},
+        {"compute_dtype": "float32"}, {"digest_unit": 8}, {"precision": "int8"}, {"precision": "int8+sink4"},
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -46,7 +46,8 @@ def test_every_namespace_field_separates_keys(change: dict) -> None:
 def test_fields_added_later_keep_the_digests_of_namespaces_without_them() -> None:
     """A namespace that does not use kv_scales (every bf16 one) has the digest it had before the field existed."""
     assert BASE.digest == BASE_DIGEST
-    assert dataclasses.replace(BASE, kv_scales="", config_inputs="", compute_dtype="", digest_unit=0).digest == BASE.digest
+    assert dataclasses.replace(BASE, kv_scales="", config_inputs="", compute_dtype="", digest_unit=0,
+                               precision="").digest == BASE.digest
 
 
 def test_keys_are_sha256_unless_xxh3_is_asked_for() -> None:

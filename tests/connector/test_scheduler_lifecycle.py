@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of, prompt, reload
+from tests.support.scheduler_harness import Engine, Violation, loaded_tokens, loads_of, prompt, reload, saved_by
 
 #: Every scenario with lookups inline and on the lookup thread (tests/connector/conftest.py).
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.usefixtures("lookup")]
@@ -36,14 +36,9 @@ def make(tmp_path: Path, store: str, pipelined: bool = False, **kw: Any) -> Engi
     return Engine(tmp_path, store, async_scheduling=pipelined, **kw)
 
 
-def stored(tmp_path: Path, store: str, tokens: list[int], **kw: Any) -> None:
+def stored(tmp_path: Path, store: str, tokens: list[int], pipelined: bool = False, **kw: Any) -> None:
     """One engine computes ``tokens`` and saves its chunks, then goes away."""
-    e = make(tmp_path, store, **kw)
-    e.add("producer", tokens, max_tokens=1)
-    e.run()
-    e.flush()
-    e.assert_empty()
-    e.shutdown()
+    saved_by(tmp_path, store, tokens, async_scheduling=pipelined, **kw)
 
 
 def object_keys(engine: Engine, tokens: list[int], chunk: int) -> list[str]:

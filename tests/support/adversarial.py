@@ -1,4 +1,4 @@
-"""Tensors that break naive float codecs: special values, every exponent, escape-heavy data."""
+"""Tensors that break naive float codecs (special values, every exponent, escape-heavy data), and damaged payloads."""
 
 from __future__ import annotations
 
@@ -67,3 +67,30 @@ def reseal(body: bytes | bytearray) -> bytes:
     """Recompute a chunk's trailer, so a test reaches the validation behind the checksum."""
     body = bytes(body[:-8])
     return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+
+SCALE_DAMAGE = ("zero step", "nan step", "inf minimum", "truncated scales")
+
+
+def bad_scales_payload(parts, damage: str) -> bytes:
+    """A ``quantized`` payload (its :class:`~vllm_kvcodec.codecs.quantized.Unpacked` ``parts``) whose key scales are
+    what a broken or tampering writer leaves (one of :data:`SCALE_DAMAGE`): a zero step (a zero range), a NaN step,
+    an infinite minimum, or a scales section shorter than its size says. Everything else is the good payload's."""
+    from vllm_kvcodec.codecs.dtypes import DType
+    from vllm_kvcodec.codecs.quantized import _SCALES, _half
+    from vllm_kvcodec.codecs.rans import encode_plane
+
+    k_min, k_step = parts.k_min.copy(), parts.k_step.copy()
+    if damage == "zero step":
+        k_step[0, 0, 0] = 0.0
+    elif damage == "nan step":
+        k_step[0, 1, 2] = np.nan
+    elif damage == "inf minimum":
+        k_min[0, 1, 5] = np.inf
+    scales = _SCALES.encode(np.concatenate([_half(a) for a in (k_min, k_step, parts.v_min, parts.v_step)]),
+                            DType.BFLOAT16)
+    size = np.uint32(len(scales)).tobytes()
+    if damage == "truncated scales":
+        scales = scales[: len(scales) // 2]  # the section runs into what follows it
+    return b"".join((size, scales, parts.kept.tobytes(), encode_plane(parts.keys.reshape(-1)),
+                     encode_plane(parts.values.reshape(-1))))

@@ -217,7 +217,7 @@ class Engine:
         max_batched: int = 256, max_seqs: int = 8, policy: str | None = None, async_scheduling: bool = False,
         hooks: dict[str, Callable[..., None]] | None = None, windows: list[int | None] | None = None,
         cache_dtype: str | None = None, settle_lookups: bool = True, kv_role: str = "kv_both", tp: int = 1,
-        replicated: bool = False, **extra: Any,
+        replicated: bool = False, kv_fn: Callable[..., torch.Tensor] | None = None, **extra: Any,
     ) -> None:
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                                  SchedulerConfig, VllmConfig, set_current_vllm_config)
@@ -233,6 +233,7 @@ class Engine:
 
         self.block_size, self.chunk_size, self.num_blocks = block_size, chunk_size, num_blocks
         self.tp, self.heads = tp, KV_HEADS // tp  # each rank's KV heads
+        self.true_kv = kv_fn or true_kv  # what the fake model computes (a test's own: any bits, NaN included)
         extra.setdefault("lookup", LOOKUP)
         self.settle_lookups = settle_lookups
         self.hooks = hooks or {}
@@ -376,10 +377,11 @@ class Engine:
         return self.scheduler.connector
 
     def add(self, req_id: str, tokens: list[int], max_tokens: int = 4, mm: Iterable[tuple[int, int, str]] = (),
-            resumable: bool = False) -> Any:
+            resumable: bool = False, kv_transfer_params: dict[str, Any] | None = None) -> Any:
         """A new request; ``mm``: its media items (offset, length, content hash); ``resumable``: a streaming-input
-        session, which waits for its next update when a turn ends (:meth:`update_session`)."""
-        request = self._request(req_id, tokens, max_tokens, mm, resumable)
+        session, which waits for its next update when a turn ends (:meth:`update_session`);
+        ``kv_transfer_params``: what a client sends vLLM for the connector (``{"kvcodec_precision": "lossless"}``)."""
+        request = self._request(req_id, tokens, max_tokens, mm, resumable, kv_transfer_params)
         self.scheduler.add_request(request)
         self.requests[req_id] = request
         self._arrived.add(req_id)
@@ -398,12 +400,13 @@ class Engine:
         return self.requests[req_id].status == RequestStatus.WAITING_FOR_STREAMING_REQ
 
     def _request(self, req_id: str, tokens: list[int] | None, max_tokens: int, mm: Iterable[tuple[int, int, str]],
-                 resumable: bool) -> Any:
+                 resumable: bool, kv_transfer_params: dict[str, Any] | None = None) -> Any:
         from vllm import SamplingParams
         from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
         from vllm.v1.request import Request
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
         # No embeddings to compute (is_embed all false): vLLM's scheduler needs no encoder for them, the keys and
         # vLLM's own block hashes still carry each item's content hash.
         features = [MultiModalFeatureSpec(None, "image", ident, PlaceholderRange(offset, length,
@@ -601,7 +604,7 @@ class Engine:
                     wrong.setdefault(req_id, problem)
             if stop <= start:
                 continue
-            kv = true_kv(tokens, start, stop, layer, self.kv_dtype)
+            kv = self.true_kv(tokens, start, stop, layer, self.kv_dtype)
             slots = slots_for_tokens(tables[req_id][table_of], self.block_size, start, stop)
             for rank in self.ranks:
                 part = rank.share(kv)
@@ -626,7 +629,7 @@ class Engine:
             return ""
         slots = slots_for_tokens(table, self.block_size, lo, start)
         got = _bits(rank.layouts[name].gather(rank.caches[name], slots))
-        want = _bits(rank.share(true_kv(tokens, lo, start, layer, self.kv_dtype)))
+        want = _bits(rank.share(self.true_kv(tokens, lo, start, layer, self.kv_dtype)))
         if torch.equal(got, want):
             return ""
         bad = lo + int((got != want).reshape(2, start - lo, -1).any(-1).any(0).nonzero()[0])
@@ -665,9 +668,9 @@ class Engine:
         from vllm_kvcodec.keys.identity import prompt_identity
         from vllm_kvcodec.keys.chain import chunk_hashes
 
-        ns = self.connector.scheduler.namespace
         cs = self.chunk_size
         for spec in meta.loads:
+            ns = self.namespace_of(spec.req_id)
             groups = tables.get(spec.req_id) or self.block_tables(spec.req_id)
             tokens = self.requests[spec.req_id].all_token_ids
             identity = prompt_identity(self.requests[spec.req_id])  # what the request holds now (media included)
@@ -682,8 +685,10 @@ class Engine:
                     raise Violation(f"load of {spec.req_id} names chunk {chunk.chunk_hash[:8]} not of its prompt")
                 self._check_load_spans(spec.req_id, c, chunk.spans, groups, len(tokens), size)
                 end = max(s.first_token + len(s.slots) for s in chunk.spans)
-                self._check_digests(f"load of {spec.req_id} chunk {c}", chunk.expect, tokens, hashes, c, end, identity)
+                self._check_digests(f"load of {spec.req_id} chunk {c}", chunk.expect, tokens, hashes, c, end, identity,
+                                    ns)
         for spec in meta.saves:
+            ns = self.namespace_of(spec.req_id)
             tokens = self.requests[spec.req_id].all_token_ids
             if spec.req_id in out.num_scheduled_tokens:
                 done = min(computed[spec.req_id] + out.num_scheduled_tokens[spec.req_id], len(tokens))
@@ -698,14 +703,20 @@ class Engine:
             if c < 0 or c * cs + size > done:
                 raise Violation(f"save of {spec.req_id} names chunk {spec.chunk_hash[:8]}, not complete after this "
                                 "step (or not keyed by what the request holds: its tokens and media)")
-            self._check_digests(f"save of {spec.req_id} chunk {c}", spec.digests, tokens, hashes, c, size, identity)
+            self._check_digests(f"save of {spec.req_id} chunk {c}", spec.digests, tokens, hashes, c, size, identity, ns)
             table_of = tables.get(spec.req_id) or self.block_tables(spec.req_id)
             for g, (table, slots) in enumerate(zip(table_of, spec.group_slots, strict=True)):
                 if slots != self._slots(table, c * cs, c * cs + size, f"save of {spec.req_id} chunk {c} group {g}"):
                     raise Violation(f"save of {spec.req_id} chunk {c} group {g}: slots disagree with its block table")
 
+    def namespace_of(self, req_id: str) -> Any:
+        """The namespace the connector keys a request in: the engine's, or a lossy precision's (the request's own
+        choice, from its kv_transfer_params, as the connector reads them)."""
+        keying = self.connector.scheduler.keying
+        return keying.namespace_of(keying.precisions.of_request(self.requests[req_id])[0])
+
     def _check_digests(self, where: str, digests: Any, tokens: list[int], hashes: list[str], c: int, end: int,
-                       identity: Any) -> None:
+                       identity: Any, ns: Any) -> None:
         """A plan's token digests: exactly this prompt's, for every token up to ``end`` in chunk ``c`` (what a load
         compares the object's header with, what a save records in it)."""
         from vllm_kvcodec.keys.token_digests import token_digests
@@ -714,7 +725,7 @@ class Engine:
         unit = scheduler.digest_unit
         if digests is None or digests.unit != unit or digests.count * unit < end:
             raise Violation(f"{where}: its token digests do not cover its {end} tokens")
-        if digests != token_digests(scheduler.namespace, tokens, hashes[:c], digests.count * unit, unit, identity):
+        if digests != token_digests(ns, tokens, hashes[:c], digests.count * unit, unit, identity):
             raise Violation(f"{where}: its token digests are not its prompt's")
 
     def _check_load_spans(self, req_id: str, c: int, spans: list[Any], groups: list[list[int]], num_tokens: int,
@@ -744,11 +755,18 @@ class Engine:
 
     def _check_context(self, tables: dict[str, list[list[int]]], computed: dict[str, int], invalid: set[int],
                        wrong: dict[str, str]) -> None:
-        """Wrong context is allowed only to a request vLLM rewinds for a load that failed in this step."""
+        """Wrong context is allowed only to a request vLLM rewinds for a load that failed in this step, or to one
+        the connector knows holds lossy KV from that position on (a lossy precision: LOSSY, NOT BIT-EXACT)."""
         for req_id, problem in wrong.items():
             blocks = {b for table in tables[req_id] for b in table[: -(-computed[req_id] // self.block_size)]}
-            if not blocks & invalid:
+            if not blocks & invalid and not self._holds_lossy(req_id, problem):
                 raise Violation(f"step {len(self.steps)}: {req_id} read {problem}")
+
+    def _holds_lossy(self, req_id: str, problem: str) -> bool:
+        """Whether the connector has the request holding lossy KV from at most the first wrong position on."""
+        state = self.connector.scheduler.requests.get(req_id)
+        first_wrong = int(problem.split("position ", 1)[1].split(" ", 1)[0])
+        return state is not None and state.lossy_from is not None and state.lossy_from <= first_wrong
 
     def assert_empty(self) -> None:
         """Nothing leaked: vLLM's scheduler, block pool and the connector's two halves hold no request state."""
@@ -827,6 +845,18 @@ def loads_of(engine: Engine, req_ids: Iterable[str] | None = None) -> list[Any]:
 
 def loaded_tokens(engine: Engine, req_id: str) -> int:
     return sum(c.tokens for spec in loads_of(engine, [req_id]) for c in spec.chunks)
+
+
+def saved_by(root: Path, store: str, tokens: list[int], **settings: Any) -> Engine:
+    """An engine of these settings computes ``tokens`` and saves its chunks, then shuts down: the store is all it
+    leaves (the engine is returned for its namespaces)."""
+    engine = Engine(root, store, **settings)
+    engine.add("saver", tokens, max_tokens=1)
+    engine.run()
+    engine.flush()
+    engine.assert_empty()
+    engine.shutdown()
+    return engine
 
 
 def reload(engine: Engine, tokens: list[int]) -> int:

@@ -13,10 +13,14 @@ default: nothing stores a lossy object unless ``precision`` names a level.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from vllm_kvcodec.errors import ConfigError
 
 LOSSLESS = "lossless"
+#: The connector's adaptive setting: the lossless object and a lossy variant stored, the variant read per chunk
+#: where the link is too slow for the lossless one (connector only; never a level of a stored object).
+AUTO = "auto"
 #: Lossy levels by name -> bits per value before entropy coding.
 LEVELS = {"int8": 8, "int6": 6, "int4": 4}
 #: What a lossy level is called wherever it is shown (logs, benchmarks, docs).
@@ -50,9 +54,32 @@ class Precision:
     def label(self) -> str:
         return self.name if self.lossless else f"{self.name} ({LOSSY_LABEL})"
 
+    def key(self) -> str:
+        """The level and what it keeps exact, as a key namespace names it (``int8``, ``int4+sink4+full2``): objects
+        that keep other tokens or layers exact are another namespace's. "" for lossless (no field in the digest)."""
+        if self.lossless:
+            return ""
+        keeps = (f"+sink{self.sink_tokens}" if self.sink_tokens else "") + (f"+full{self.full_layers}" if self.full_layers else "")
+        return self.name + keeps
+
+    def within(self, first_layer: int, layers: int, tokens: int, first_chunk: bool) -> "Precision":
+        """This precision for one object: ``layers`` model layers from ``first_layer`` (a layer group keeps only its
+        part of the first ``full_layers``) and ``tokens`` tokens of a chunk (only a sequence's first chunk holds its
+        first ``sink_tokens``)."""
+        full = min(max(self.full_layers - first_layer, 0), layers)
+        sink = min(self.sink_tokens, tokens) if first_chunk else 0
+        return dataclasses.replace(self, sink_tokens=sink, full_layers=full)
+
 
 def parse_precision(spec: "str | Precision | None") -> Precision:
     """``None``/``"lossless"``/``"int8"``... or a :class:`Precision`."""
     if isinstance(spec, Precision):
         return spec
     return Precision(LOSSLESS if spec is None else str(spec).lower())
+
+
+def stored_precision(codec_config: dict[str, Any]) -> str:
+    """What a stored object holds, by its header's codec config: a lossy level (``quantized``), else lossless."""
+    if codec_config.get("id") != "quantized":
+        return LOSSLESS
+    return next((name for name, bits in LEVELS.items() if bits == codec_config.get("bits")), "lossy")

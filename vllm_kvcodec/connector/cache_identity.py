@@ -91,6 +91,9 @@ class KVCodecHandshake(KVConnectorHandshakeMetadata):
 
     kv_scales: str  # scales_digest of its layers ("" for an unquantised cache)
     namespace_digest: str  # the worker's whole namespace, for a cross-check
+    # precision auto: its expected seconds per raw byte of each precision's loads, from its start-up probe of the
+    # store (save/precision_choice.py), so that the first load chooses by the link too
+    read_costs: dict[str, float] | None = None
 
 
 def agreed_scales(handshakes: dict[int, Any]) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from storage.registry import describe_schemes
 from vllm_kvcodec.runtime.cache_dir import cache_dir
@@ -35,6 +35,11 @@ class ConnectorConfig(BaseModel):
 
     store: str = Field(default_factory=default_store_url, description=f"Store URL, one of: {describe_schemes()} (see docs/stores.md).")
     codec: str | dict[str, Any] | None = Field(None, description="Codec id or config dict (raw, zstd, splitzip, rans, video), 'auto' to pick by measured link and codec speed, or null for the densest codec the model's dtype allows (rans; zstd for float16).")
+    precision: Literal["lossless", "int8", "int6", "int4", "auto"] = Field("lossless", description="lossless (the default): every object holds the KV bit for bit, every guarantee as documented. int8, int6, int4 (LOSSY: NOT BIT-EXACT, opt-in): objects hold the KV quantised to that many bits (keys per channel, values per token, per layer and KV head, as KIVI and KVQuant; every value within half a step; the scales in each object), the integers rANS-coded: about 2.0x, 2.7x and 4.1x against bf16 where lossless reaches 1.5x. A lossy precision is its own key namespace of canonical objects: a lossless engine never reads them; a chunk holding NaN or inf is stored lossless there. auto: every chunk is stored lossless and as a lossy variant at precision_floor; a load reads the lossless object unless the measured link would not bring it within precision_load_budget_s, then the variant of as many of its last chunks as needed (see docs/architecture.md, \"Lossy precision\"). A request can demand lossless with kv_transfer_params {\"kvcodec_precision\": \"lossless\"}. An fp8 KV cache (already 8-bit) stays lossless, said in the log; MLA's latent has no K and V to quantise apart and is refused.")
+    precision_floor: Literal["int8", "int6", "int4"] | None = Field(None, description="With precision auto: the lossy variant stored beside each lossless object, the lowest precision a load reads (null: int8). Only with precision auto.")
+    precision_sink_tokens: int = Field(0, ge=0, description="With a lossy precision: the first tokens of every sequence kept at full precision (the attention sinks CacheGen and KVQuant keep exact); only a sequence's first chunk holds them. At most chunk_size. Part of the keys.")
+    precision_full_layers: int = Field(0, ge=0, description="With a lossy precision: the model's first layers kept at full precision (CacheGen keeps its first layers finer); an object of a later layer group keeps none. At most the model's layers. Part of the keys.")
+    precision_load_budget_s: float = Field(1.0, gt=0, description="With precision auto: how long a request's load may take, by the measured read throughput of the worker's recent reads (and its decode speed), before its last chunks are read as the lossy variant; a request can set its own with kv_transfer_params {\"kvcodec_load_budget_s\": seconds}.")
     chunk_size: int = Field(256, gt=0, description="Tokens per stored chunk; a multiple of vLLM's block_size and of its prefix-cache hit alignment (the block size, times decode_context_parallel_size; for a hybrid model the least common multiple of its KV cache groups' block sizes). kvcodec serve checks it against --block-size (or vLLM's default: 128 on the CPU) before vLLM starts.")
     block_hits: bool = Field(True, validation_alias=AliasChoices("block_hits", "prompt_tails"), description="Hits end where vLLM's own prefix cache would end for the same prompt: on the last whole block the stored prefix covers, not on the last whole chunk. Every saved object also gets a tiny ref per whole-block prefix of it (about 143 bytes; chunk_size / block_size - 1 per chunk, written by one rank after the object landed), each request's prompt tail past its last full chunk is stored (whole blocks up to the block holding its last token), and so is, when it finishes, the part of prompt plus answer past its last full chunk (a chat's next turn). A prompt that shares 1400 tokens with a stored one then loads 1376 (block 32), as a local hit would, and computes the same greedy tokens: bf16 prefill of a longer suffix over a shorter hit rounds differently. false: hits end on whole chunks, tails are not stored (up to chunk_size - 1 tokens more recomputed per hit); the old name prompt_tails is accepted (see docs/architecture.md, \"Where a hit ends\").")
     layers_per_object: int = Field(0, ge=0, description="Layers per stored object, so loads stream layer group by layer group. 0: every layer in one object where loads wait whole anyway (page objects into a CPU engine, with load_wait 'whole', or 'auto' and a store on this host: a file or memory store): each object costs its own reads, checks and hand-offs, and a raw 4096-token load took 25 ms in 16 objects against 44 ms in 96 from the local disk, 54 against 87 ms behind an emulated 100 Gbit/s link (2 cores); other page objects into a CPU engine about 3 groups (a 4096-token load behind a 10 Gbit/s link: raw 140 ms in 3 groups against 150 in 6, zstd 149 against 186; 1 Gbit/s: 9-15 ms slower, the last group's prefill no longer hidden), elsewhere (GPU engines, canonical objects shared across platforms) about 6. Part of the keys: engines share chunks only with the same value.")
@@ -86,6 +91,20 @@ class ConnectorConfig(BaseModel):
         from vllm_kvcodec.codecs import policy
 
         return policy.check_spec(codec, allow_auto=True)  # ConfigError (a ValueError) names the known codecs
+
+    @model_validator(mode="after")
+    def _precision_options_fit(self) -> "ConnectorConfig":
+        """Options of a lossy precision are nonsense without one; a sink longer than a chunk is never kept whole."""
+        lossy = self.precision != "lossless"
+        if self.precision_floor is not None and self.precision != "auto":
+            raise ValueError(f"precision_floor applies to precision auto only, not {self.precision!r}")
+        for name in ("precision_sink_tokens", "precision_full_layers"):
+            if getattr(self, name) and not lossy:
+                raise ValueError(f"{name} applies to a lossy precision (int8, int6, int4, auto), not lossless")
+        if self.precision_sink_tokens > self.chunk_size:
+            raise ValueError(f"precision_sink_tokens {self.precision_sink_tokens} exceeds chunk_size {self.chunk_size}: "
+                             "only a sequence's first chunk holds sink tokens")
+        return self
 
     @field_validator("save_codec_when_behind")
     @classmethod

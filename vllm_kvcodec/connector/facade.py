@@ -37,6 +37,7 @@ from vllm_kvcodec.connector.engine_namespace import build_namespace
 from vllm_kvcodec.connector.parallel_ranks import loading_workers, pp_rank, saving_workers, tp_rank
 from vllm_kvcodec.connector.kv_events import store_events_for
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
+from vllm_kvcodec.connector.precisions import resolve_precision
 from vllm_kvcodec.connector.scheduler_half import SchedulerHalf
 from vllm_kvcodec.connector.transfer_stats import KVCodecTransferStats
 from vllm_kvcodec.connector.vllm_logging import follow_vllm_logging, refusal_logged
@@ -93,6 +94,8 @@ class KVCodecConnector(KVConnectorBase_V1, SupportsHMA):
                                         alignment_from=cache_groups.alignment_source)
         self.config = self.config.model_copy(update={"load_mode": load_mode(self.config, cache_groups)})
         namespace = build_namespace(vllm_config, self.config, cache_groups, kv_cache_config)
+        self.config = resolve_precision(self.config, namespace.dtype, namespace.num_layers,
+                                        bool(getattr(vllm_config.model_config, "use_mla", False)))
         groups = namespace.layer_groups()
         self.scheduler: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None

@@ -27,14 +27,17 @@ from vllm_kvcodec.connector.kv_events import StoreEvents
 from vllm_kvcodec.connector.load_ledger import InflightLoad, LoadLedger
 from vllm_kvcodec.connector.lookup import Answer, AsyncLookup, Question, Tail, answer_questions, tail_candidates
 from vllm_kvcodec.connector.lookup_budget import LookupBudget
+from vllm_kvcodec.connector.lossy_blocks import LossyBlocks
 from vllm_kvcodec.connector.metadata import KVCodecMetadata
 from vllm_kvcodec.connector.request_state import Keying, RequestState
 from vllm_kvcodec.connector.store_queries import StoreQueries
+from vllm_kvcodec.codecs.precision import AUTO, LOSSLESS
 from vllm_kvcodec.keys.chain import tail_position
 from vllm_kvcodec.paged.slots import slots_for_tokens
 from vllm_kvcodec.plans.loads import ChunkLoad, LoadSpec, PrefetchSpec
 from vllm_kvcodec.plans.outcomes import LoadOutcome
 from vllm_kvcodec.plans.spans import Span
+from vllm_kvcodec.save.precision_choice import variant_from
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -73,6 +76,9 @@ class LoadPlanner:
         self._prefetch_done: list[str] = []  # requests whose objects fetched ahead the worker may drop
         self._pending: list[LoadSpec] = []  # planned since the last step's plan
         self._settled: dict[int, bool] = {}  # loads every worker reported since the last plan -> failed
+        self.lossy = LossyBlocks(keying.cache_groups.block_sizes, self.stats)  # blocks lossy loads wrote, and after
+        #: precision auto: the workers' expected seconds per raw byte of each precision's loads (their reports)
+        self.read_costs: dict[str, float] | None = None
 
     def _lookup_thread(self) -> AsyncLookup:
         """The lookup thread; with ``auto`` (adaptive), waited for within a step's budget while lookups fit it,
@@ -90,6 +96,8 @@ class LoadPlanner:
     def matched_tokens(self, state: RequestState, local_tokens: int) -> tuple[int | None, bool]:
         """vLLM's question: how many tokens past its local hit the request can load (None: ask again next step)."""
         state.local_tokens = local_tokens
+        if self.lossy.screen(state, self.kv_cache_manager):
+            return None, False  # it demands lossless and its local hit held lossy blocks, evicted: vLLM looks again
         loadable = state.loadable()
         if not state.looked_up:
             answer = self._look_up(state, loadable)
@@ -146,7 +154,7 @@ class LoadPlanner:
         tails = None
         if self.config.block_hits and state.identity is not None:
             tokens = list(state.request.all_token_ids)  # a snapshot: the lookup thread hashes it
-            namespace, identity, align = self.keying.namespace, state.identity, self.keying.alignment
+            namespace, identity, align = state.namespace, state.identity, self.keying.alignment
 
             def tails(hit: int) -> list[Tail]:
                 return tail_candidates(namespace, tokens, identity, loadable[:hit], self.chunk, align)
@@ -155,7 +163,7 @@ class LoadPlanner:
                 return Answer(0)  # nothing the store could hold: no question to ask
         elif not loadable and next_chunk is None:
             return Answer(0)
-        question = Question(loadable, tails, next_chunk)
+        question = Question(loadable, tails, next_chunk, state.keyed_in)
         if self.lookups is None:
             return answer_questions([question], self.queries.stored, self.queries.resolve)[0]
         key = (tuple(loadable), next_chunk, state.identity,
@@ -173,7 +181,7 @@ class LoadPlanner:
         reads = -(-tokens // self.chunk)
         busy = state.hashes[: min(reads, len(loadable))]
         if self.config.block_hits and state.identity is not None:
-            busy += [tail_position(self.keying.namespace, loadable[:k], state.identity)
+            busy += [tail_position(state.namespace, loadable[:k], state.identity)
                      for k in range(min(reads, len(loadable) + 1))]
         return self.ledger.busy(busy) or self._local_hit_inflight(state)
 
@@ -191,18 +199,17 @@ class LoadPlanner:
         just before asking, nothing having changed since: the same call of its
         KV cache coordinator's ``find_longest_cache_hit``, with the same
         arguments (exact, and free of ``get_computed_blocks``' side effects,
-        such as its KV events), cut to the local hit it offered us. Its cost is
+        such as its KV events), cut to the local hit it offered us
+        (:meth:`~.request_state.RequestState.local_hit_blocks`). Its cost is
         vLLM's own lookup of the local hit again, paid only while some load
         writes blocks. Under sync scheduling vLLM would rewind such a request
         itself; waiting there too costs it a step and spares it computing over
         a load that fails.
         """
-        manager, request = self.kv_cache_manager, state.request
+        manager = self.kv_cache_manager
         if not state.local_tokens or manager is None or not self.ledger.writing_any():
             return False
-        hit = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)[0]
-        return self.ledger.writes_any([[b.block_id for b in blocks[: state.local_tokens // bs]]
-                                       for blocks, bs in zip(hit, self.keying.cache_groups.block_sizes)])
+        return self.ledger.writes_any(state.local_hit_blocks(manager))
 
     # ---- load plans -----------------------------------------------------------------
     def plan(self, state: RequestState, blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -217,11 +224,15 @@ class LoadPlanner:
         busy = [c.chunk_hash for c in chunks]
         if state.tail is not None and chunks and chunks[-1].chunk_hash == state.tail.chunk_hash:  # also busy under
             # its position (see _reads_inflight)
-            busy.append(tail_position(self.keying.namespace, state.hashes[: state.tail.index], state.identity))
+            busy.append(tail_position(state.namespace, state.hashes[: state.tail.index], state.identity))
         sizes = self.keying.cache_groups.block_sizes
         writes = [{s // bs for c in chunks for s in c.spans[g].slots} for g, bs in enumerate(sizes)]
         load_id = self.ledger.start(state.req_id, busy, first_tokens, state.block_ids, writes)
         state.loads.add(load_id)
+        lossy = [first_tokens[c.chunk_hash] for c in chunks if c.precisions[0] != LOSSLESS]
+        if lossy:
+            state.holds_lossy(min(lossy))
+            self.lossy.mark(state)  # a sync load's blocks are in vLLM's prefix cache from now on
         self._pending.append(LoadSpec(state.req_id, chunks, is_async=self.config.load_mode == "async",
                                       load_id=load_id, adapter=state.adapter))
         self.events.loading(load_id, state.request, chunks, state.hashes, state.tail, self.chunk)
@@ -244,7 +255,22 @@ class LoadPlanner:
                                      expect=expect)
             else:
                 loads[c] = ChunkLoad(state.hashes[c], spans, blocks, expect=expect)
+        for load, precisions in zip(loads.values(), self._read_precisions(state, [c.tokens for c in loads.values()])):
+            load.precisions = precisions
         return loads
+
+    def _read_precisions(self, state: RequestState, tokens: list[int]) -> list[tuple[str, ...]]:
+        """Where each chunk of a load (``tokens`` each, in order) is read from: the namespace the request is keyed
+        in; under precision auto the lossy variant of its last chunks, then the lossless object, where the workers'
+        measured reads would not bring the lossless load within the request's budget (save/precision_choice.py)."""
+        variant = self.keying.precisions.variant
+        if state.precision != AUTO or variant is None:
+            return [(state.keyed_in,)] * len(tokens)
+        per_token = self.keying.raw_bytes_per_token
+        keep = variant_from([t * per_token for t in tokens], self.read_costs or {}, variant, state.load_budget_s)
+        if keep < len(tokens):
+            self.stats.add(precision_variant_chunks_planned=len(tokens) - keep)
+        return [(LOSSLESS,)] * keep + [(variant, LOSSLESS)] * (len(tokens) - keep)
 
     # ---- per step -------------------------------------------------------------------
     def flush_lookups(self, idle: bool) -> None:
@@ -279,9 +305,11 @@ class LoadPlanner:
             if state is None or req_id in scheduled or not state.looked_up or state.block_ids:
                 continue
             hit = min(state.hit_chunks, self.ledger.first_failed(state.hashes[: state.hit_chunks]))
-            chunks = state.hashes[:hit] + ([state.tail.chunk_hash] if self.usable_tail(state, hit) else [])
+            tail = self.usable_tail(state, hit)
+            chunks = state.hashes[:hit] + ([tail.chunk_hash] if tail else [])
             if chunks:
-                meta.prefetches.append(PrefetchSpec(req_id, chunks))
+                tokens = [self.chunk] * hit + ([tail.tokens] if tail else [])
+                meta.prefetches.append(PrefetchSpec(req_id, chunks, self._read_precisions(state, tokens)))
                 state.prefetching = True
         for req_id in scheduled:
             if (state := self.requests.get(req_id)) is not None and state.prefetching:

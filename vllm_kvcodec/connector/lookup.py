@@ -51,6 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 
+from vllm_kvcodec.codecs.precision import LOSSLESS
 from vllm_kvcodec.keys.block_refs import Ref
 from vllm_kvcodec.connector.lookup_budget import LookupBudget
 from vllm_kvcodec.keys.identity import PromptIdentity
@@ -59,10 +60,11 @@ from vllm_kvcodec.stats import ConnectorStats
 
 logger = logging.getLogger("vllm_kvcodec")
 
-#: Per chunk key, whether the store holds all of it; None when the store did not answer.
-Stored = Callable[[list[str]], "list[bool] | None"]
-#: Per block-prefix hash, the ref found there if the object it names is stored; None when the store did not answer.
-Resolve = Callable[[list[str]], "list[Ref | None] | None"]
+#: Per chunk key of a precision's namespace, whether the store holds all of it; None when the store did not answer.
+Stored = Callable[[list[str], str], "list[bool] | None"]
+#: Per block-prefix hash of a precision's namespace, the ref found there if the object it names is stored; None when
+#: the store did not answer.
+Resolve = Callable[[list[str], str], "list[Ref | None] | None"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +114,7 @@ class Question:
     #: The chunk after the loadable ones, when it is full in the prompt (it holds the prompt's last token, so it is
     #: computed, never loaded): asked with them, so a request does not save again what the store already holds.
     next_chunk: str | None = None
+    precision: str = LOSSLESS  # the namespace its keys are in (see connector/precisions.py)
 
 
 def tail_candidates(namespace: Namespace, tokens: Sequence[int], identity: PromptIdentity, hashes: Sequence[str],
@@ -130,13 +133,30 @@ def tail_candidates(namespace: Namespace, tokens: Sequence[int], identity: Promp
 def answer_questions(questions: Sequence[Question], stored: Stored, resolve: Resolve,
                      expired: Callable[[], bool] | None = None) -> list[Answer]:
     """Every question, with one store call over all their chunks and one (plus its check) over the block
-    prefixes their hits allow.
+    prefixes their hits allow: per namespace the questions are keyed in (one, unless requests demand another
+    precision than the engine's).
 
     The prefixes can only be asked once the chunk hits are known (they hang
     off the chain right after them), hence two calls, not one; when
     ``expired`` says nobody waits for the answers any more by the time the
     first returns, the second is not sent (the answers: timeouts).
     """
+    by_precision: dict[str, list[int]] = {}
+    for i, q in enumerate(questions):
+        by_precision.setdefault(q.precision, []).append(i)
+    answers: list[Answer] = [MISS] * len(questions)
+    for precision, which in by_precision.items():
+        got = _answer_in([questions[i] for i in which], lambda keys: stored(keys, precision),
+                         lambda keys: resolve(keys, precision), expired)
+        for i, answer in zip(which, got):
+            answers[i] = answer
+    return answers
+
+
+def _answer_in(questions: Sequence[Question], stored: Callable[[list[str]], "list[bool] | None"],
+               resolve: Callable[[list[str]], "list[Ref | None] | None"],
+               expired: Callable[[], bool] | None) -> list[Answer]:
+    """:func:`answer_questions` for questions keyed in one namespace."""
     chunk_keys = list(dict.fromkeys(h for q in questions for h in [*q.chunk_hashes, q.next_chunk] if h is not None))
     found = stored(chunk_keys) if chunk_keys else []
     if found is None:

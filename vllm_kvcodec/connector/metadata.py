@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm_kvcodec.plans.loads import LoadSpec, PrefetchSpec
 from vllm_kvcodec.plans.outcomes import LoadOutcome, SaveOutcome
 from vllm_kvcodec.plans.saves import SaveSpec
+from vllm_kvcodec.save.precision_choice import merge_costs
 
 __all__ = ["KVCodecMetadata", "KVCodecWorkerReport"]
 
@@ -68,6 +69,10 @@ class KVCodecWorkerReport(KVConnectorWorkerMetadata):
     ``adapters``: the LoRA adapters the workers loaded, by id, with the
     fingerprint of the files each was read from (see lora_loads.py); "" where
     it is unknown, or where workers read different files.
+
+    ``read_costs`` (precision auto): the workers' expected seconds per raw
+    byte of each precision's loads, where they moved since their last report
+    (the slower worker's where several tell; save/precision_choice.py).
     """
 
     loads: dict[str, LoadOutcome] = dataclasses.field(default_factory=dict)
@@ -75,6 +80,7 @@ class KVCodecWorkerReport(KVConnectorWorkerMetadata):
     save_room: int | None = None
     background: int | None = None
     adapters: dict[int, str] = dataclasses.field(default_factory=dict)
+    read_costs: dict[str, float] | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVCodecWorkerReport":
         assert isinstance(other, KVCodecWorkerReport)
@@ -87,7 +93,7 @@ class KVCodecWorkerReport(KVConnectorWorkerMetadata):
         for lora_id, weights in other.adapters.items():
             adapters[lora_id] = weights if adapters.get(lora_id, weights) == weights else ""
         return KVCodecWorkerReport(loads, self.saves + other.saves, min(rooms) if rooms else None,
-                                   sum(told) if told else None, adapters)
+                                   sum(told) if told else None, adapters, merge_costs(self.read_costs, other.read_costs))
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves or self.adapters) or self.background is not None
+        return bool(self.loads or self.saves or self.adapters or self.read_costs) or self.background is not None

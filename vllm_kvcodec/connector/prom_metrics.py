@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from vllm_kvcodec.codecs.precision import LEVELS
 from vllm_kvcodec.stats import SAMPLES
 
 if TYPE_CHECKING:
@@ -41,6 +42,11 @@ class CounterSpec:
 
 def _plain(name: str, doc: str, key: str, scale: str = "") -> CounterSpec:
     return CounterSpec(name, doc, {"": key}, scale=scale)
+
+
+def _by_precision(prefix: str) -> dict[str, str]:
+    """One stats key per precision an object may hold (codecs/precision.py)."""
+    return {name: prefix + name for name in ("lossless", *LEVELS)}
 
 
 COUNTERS: tuple[CounterSpec, ...] = (
@@ -156,7 +162,8 @@ COUNTERS: tuple[CounterSpec, ...] = (
                 "after_load_failure_elsewhere, load_unsettled, incomplete, window_freed and adapter_weights (the LoRA "
                 "weights the worker runs were not read from the files the key names) are lost (a later miss); "
                 "deferred_store_down waits for the store, deduplicated is being saved by another request, "
-                "already_stored is in the store already (the chunk holding a replayed prompt's last token).",
+                "already_stored is in the store already (the chunk holding a replayed prompt's last token), lossy_kv "
+                "rests on lossy KV under precision auto (never stored as the lossless ground truth).",
                 {"queue_full": "saves_dropped", "store_down": "saves_dropped_store_down",
                  "window_freed": "saves_dropped_window_freed",
                  "deferred_store_down": "saves_deferred_store_down",
@@ -165,7 +172,7 @@ COUNTERS: tuple[CounterSpec, ...] = (
                  "load_unsettled": "saves_dropped_load_unsettled",
                  "adapter_weights": "saves_skipped_adapter_weights",
                  "incomplete": "saves_incomplete", "deduplicated": "saves_deduplicated",
-                 "already_stored": "saves_already_stored"},
+                 "already_stored": "saves_already_stored", "lossy_kv": "saves_skipped_lossy_kv"},
                 label="reason"),
     CounterSpec("store_down", "Times the store went down (up -> down transitions), by the side that saw it.",
                 {"scheduler": "store_down_scheduler", "worker": "store_down_worker"}, label="side"),
@@ -198,6 +205,26 @@ COUNTERS: tuple[CounterSpec, ...] = (
            "did not take them).", "prefetch_wasted_bytes"),
     _plain("prefetch_skipped_objects", "Objects not fetched ahead for want of room in prefetch_bytes (fetched at load "
            "time).", "prefetch_skipped_objects"),
+    CounterSpec("precision_reads", "Stored objects loaded, by what they hold: lossless, or a lossy level (LOSSY: NOT "
+                "BIT-EXACT; under precision auto, the variant reads).", _by_precision("precision_reads_"),
+                label="precision"),
+    _plain("precision_variant_chunks", "Chunks of loads planned to read the lossy variant first (precision auto: the "
+           "measured link would not bring their lossless objects within the request's load budget).",
+           "precision_variant_chunks_planned"),
+    _plain("precision_fallbacks", "Objects of a lossy variant that were missing or failed, read from their lossless "
+           "object instead (precision auto; no recompute).", "precision_fallbacks"),
+    CounterSpec("precision_saved_objects", "Objects stored, by what they hold (lossless, or a lossy level; precision "
+                "auto stores both).", _by_precision("precision_saves_"), label="precision"),
+    CounterSpec("precision_saved_bytes", "Bytes stored, by what the objects hold: under precision auto, the lossy "
+                "variant's share is what it costs the store.", _by_precision("precision_saved_bytes_"),
+                label="precision"),
+    CounterSpec("precision_encode_seconds", "Thread-seconds the save threads spent encoding, by what the objects hold "
+                "(a lossy level's includes reading the chunk as canonical KV): what a variant costs the saver.",
+                _by_precision("precision_encode_s_"), label="precision"),
+    _plain("precision_nonfinite_chunks", "Chunks holding NaN or inf, which no quantisation step represents: stored "
+           "lossless only (a lossy precision).", "precision_nonfinite_chunks"),
+    _plain("lossy_blocks_evicted", "vLLM blocks holding lossy KV (a lossy load's, or computed over one) evicted from "
+           "its prefix cache before a request demanding lossless took them as a local hit.", "lossy_blocks_evicted"),
     CounterSpec("kv_events_blocks", "Blocks named in the store's KV cache events, by event type: stored (a save landed "
                 "on every rank), removed (a load of them failed, so this instance stops offering them).",
                 {"stored": "kv_events_stored_blocks", "removed": "kv_events_removed_blocks"}, label="type"),

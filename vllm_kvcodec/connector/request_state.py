@@ -15,9 +15,12 @@ import collections
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from vllm_kvcodec.codecs.dtypes import DType
+from vllm_kvcodec.codecs.precision import LOSSLESS
 from vllm_kvcodec.connector.cache_groups import CacheGroups
 from vllm_kvcodec.connector.lookup import Tail
 from vllm_kvcodec.connector.lora_keys import AdapterKeys
+from vllm_kvcodec.connector.precisions import Precisions
 from vllm_kvcodec.format import TokenDigests
 from vllm_kvcodec.keys.block_refs import prefix_hashes
 from vllm_kvcodec.keys.chain import Namespace, extend_chunk_hashes, tail_hash
@@ -27,6 +30,7 @@ from vllm_kvcodec.paged.slots import slots_for_tokens
 from vllm_kvcodec.stats import ConnectorStats
 
 if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.request import Request
 
 #: ``save_attempts`` key of the request's prompt tail (chunks count from 0).
@@ -45,11 +49,29 @@ class Keying:
     adapters: AdapterKeys
     stats: ConnectorStats
     block_hits: bool
+    precisions: Precisions = dataclasses.field(default_factory=Precisions)
+    _lossy: tuple[Namespace, Namespace] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def alignment(self) -> int:
         """Where vLLM's own cache ends a hit: tails, refs and finishing tails end on it."""
         return self.cache_groups.hit_alignment
+
+    @property
+    def raw_bytes_per_token(self) -> int:
+        """Raw KV bytes of one token on one worker (its stage's layers, its share of the heads): what a load moves."""
+        ns = self.namespace
+        layers = max(len(stage) for stage in ns.stages())
+        return layers * 2 * ns.num_kv_heads * ns.head_dim * DType.parse(ns.dtype).itemsize
+
+    def namespace_of(self, precision: str) -> Namespace:
+        """The namespace a request of ``precision`` is keyed in (made once per base namespace: its digest is hashed)."""
+        level = self.precisions.level
+        if level is None or precision != level.name:
+            return self.namespace
+        if self._lossy is None or self._lossy[0] is not self.namespace:
+            self._lossy = (self.namespace, self.precisions.namespace(self.namespace, precision))
+        return self._lossy[1]
 
 
 def shape_of(request: "Request") -> tuple[int, int]:
@@ -84,10 +106,14 @@ class RequestState:
     loads: set[int] = dataclasses.field(default_factory=set)  # its loads not reported yet (ledger ids), not others'
     adapter: tuple[int, str] | None = None  # LoRA: (adapter id, weights its keys name), see lora_keys.py
     adapter_reloaded: bool = False  # the workers reloaded its adapter from other files while it ran: never cached
+    precision: str = LOSSLESS  # what it is keyed in: the engine's setting, or lossless where it demands it
+    load_budget_s: float = 1.0  # precision auto: how long its load may take before it reads lossy variants
+    lossy_from: int | None = None  # its first token whose KV may be lossy (a lossy load, a lossy local hit)
 
     @classmethod
     def new(cls, request: "Request", keying: Keying) -> "RequestState":
-        state = cls(request, keying, shape=shape_of(request))
+        precision, budget = keying.precisions.of_request(request)
+        state = cls(request, keying, shape=shape_of(request), precision=precision, load_budget_s=budget)
         if state.identify() is not None and state.identity is None:
             keying.stats.add(uncacheable_requests=1)
         return state
@@ -95,6 +121,20 @@ class RequestState:
     @property
     def req_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def namespace(self) -> Namespace:
+        """Its keys' namespace: the engine's, or a lossy level's (see connector/precisions.py)."""
+        return self.keying.namespace_of(self.precision)
+
+    @property
+    def keyed_in(self) -> str:
+        """The precision of the namespace its keys are in: its lossy level, else lossless (auto's keys too)."""
+        return self.precision if self.namespace is not self.keying.namespace else LOSSLESS
+
+    def holds_lossy(self, from_token: int) -> None:
+        """Its KV from ``from_token`` on may be lossy (read lossy, or computed over lossy KV)."""
+        self.lossy_from = from_token if self.lossy_from is None else min(self.lossy_from, from_token)
 
     # ---- its keys -------------------------------------------------------------------
     def identify(self) -> str | None:
@@ -143,7 +183,7 @@ class RequestState:
         """Its first ``num_chunks`` chunk keys, extending the chain as its tokens grow."""
         self.follow_session()
         if len(self.hashes) < num_chunks and self.identity is not None:
-            self.hashes = extend_chunk_hashes(self.keying.namespace, self.request.all_token_ids, self.hashes,
+            self.hashes = extend_chunk_hashes(self.namespace, self.request.all_token_ids, self.hashes,
                                               num_chunks, self.identity)
         return self.hashes[:num_chunks]
 
@@ -153,7 +193,7 @@ class RequestState:
 
     def tail_hash(self, index: int, tokens: int) -> str:
         """The key of its ``tokens`` tokens after chunk ``index``'s start (a prompt's or a finishing tail)."""
-        return tail_hash(self.keying.namespace, self.request.all_token_ids, self.chunk_hashes(index), tokens,
+        return tail_hash(self.namespace, self.request.all_token_ids, self.chunk_hashes(index), tokens,
                          self.identity)
 
     def digests(self, index: int, tokens: int) -> TokenDigests:
@@ -161,7 +201,7 @@ class RequestState:
         or saved there must record (see keys/token_digests.py)."""
         unit, chunk = self.keying.digest_unit, self.keying.chunk
         tokens = min(-(-tokens // unit) * unit, (self.request.num_tokens - index * chunk) // unit * unit)
-        return token_digests(self.keying.namespace, self.request.all_token_ids, self.chunk_hashes(index), tokens, unit,
+        return token_digests(self.namespace, self.request.all_token_ids, self.chunk_hashes(index), tokens, unit,
                              self.identity)
 
     def refs(self, index: int, tokens: int) -> list[tuple[str, int]]:
@@ -169,7 +209,7 @@ class RequestState:
         keys/block_refs.py): what a prompt sharing only those blocks looks up."""
         if not self.keying.block_hits or self.identity is None:
             return []
-        return prefix_hashes(self.keying.namespace, self.request.all_token_ids, self.hashes[:index], tokens,
+        return prefix_hashes(self.namespace, self.request.all_token_ids, self.hashes[:index], tokens,
                              self.keying.alignment, self.identity)
 
     # ---- its blocks -----------------------------------------------------------------
@@ -177,6 +217,15 @@ class RequestState:
         """Each KV cache group's slots of its tokens ``[first, first + tokens)``."""
         return [slots_for_tokens(table, bs, first, first + tokens).tolist()
                 for table, bs in zip(self.block_ids, self.keying.cache_groups.block_sizes)]
+
+    def local_hit_blocks(self, manager: "KVCacheManager") -> list[list[int]]:
+        """Each group's blocks vLLM is about to give it as its local hit (``local_tokens``): what vLLM's scheduler got
+        from ``get_computed_blocks`` just before asking, nothing having changed since (the same call of its KV cache
+        coordinator's ``find_longest_cache_hit``, with the same arguments, free of ``get_computed_blocks``' side
+        effects such as its KV events), cut to the local hit it offered."""
+        hit = manager.coordinator.find_longest_cache_hit(self.request.block_hashes, self.request.num_tokens - 1)[0]
+        return [[b.block_id for b in blocks[: self.local_tokens // bs]]
+                for blocks, bs in zip(hit, self.keying.cache_groups.block_sizes)]
 
     def blocks_held(self, chunk: int, tokens: int | None = None) -> bool:
         """Whether every group still holds chunk ``chunk``'s blocks in this step (a window group frees those below it).

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm_kvcodec.codecs.precision import AUTO, LOSSLESS
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.connector.kv_events import StoreEvents
 from vllm_kvcodec.connector.load_ledger import LoadLedger, RestingSave
@@ -134,7 +135,12 @@ class SavePlanner:
     def _claimed(self, state: RequestState, chunk_hash: str, index: int, tokens: int, *, wait: bool) -> SaveSpec | None:
         """The save of ``tokens`` tokens from chunk ``index``, if this request may make it: nobody else claimed it
         (else, ``wait``: it is left to that claim, and planned again here if that save does not land) and every
-        group still holds its blocks (else whoever computes it next saves it)."""
+        group still holds its blocks (else whoever computes it next saves it). Not under precision auto where its
+        KV may be lossy: a lossless object is the ground truth (see connector/lossy_blocks.py)."""
+        first = index * self.chunk
+        if state.precision == AUTO and state.lossy_from is not None and first + tokens > state.lossy_from:
+            self.stats.add(saves_skipped_lossy_kv=1)
+            return None
         if not self.claims.claim(chunk_hash):
             if wait:
                 self._wait_for(state, chunk_hash)
@@ -143,11 +149,19 @@ class SavePlanner:
             self.claims.release(chunk_hash)
             self.stats.add(saves_dropped_window_freed=1)  # a window group freed them: a retry cannot gather it
             return None
-        first = index * self.chunk
         self.events.saving(state.request, chunk_hash, first, tokens)
         self.ledger.rest(state.loads, state.req_id, chunk_hash)  # dropped if one of them fails
         return SaveSpec(state.req_id, chunk_hash, state.slots(first, tokens), sorted(state.loads),
-                        state.refs(index, tokens), state.digests(index, tokens), state.adapter)
+                        state.refs(index, tokens), state.digests(index, tokens), state.adapter,
+                        self._stored_as(state), first_chunk=index == 0)
+
+    def _stored_as(self, state: RequestState) -> tuple[str, ...]:
+        """The namespaces a save of ``state`` goes to: the one it is keyed in; under precision auto also the lossy
+        variant's (its lookups find the lossless object, its loads may read either)."""
+        variant = self.keying.precisions.variant
+        if state.precision == AUTO and variant is not None:
+            return (LOSSLESS, variant)
+        return (state.keyed_in,)
 
     def _last_blocks(self, tokens: int) -> tuple[int, int]:
         """(chunk, tokens in it) of the whole blocks up to the one holding token ``tokens - 1``: where vLLM's own

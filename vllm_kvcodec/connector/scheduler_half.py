@@ -38,6 +38,7 @@ from vllm_kvcodec.connector.kv_events import StoreEvents
 from vllm_kvcodec.connector.load_planner import LoadPlanner
 from vllm_kvcodec.connector.lora_keys import AdapterKeys
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
+from vllm_kvcodec.connector.precisions import Precisions
 from vllm_kvcodec.connector.request_state import Keying, RequestState
 from vllm_kvcodec.connector.save_planner import SavePlanner
 from vllm_kvcodec.connector.store_access import open_connector_store
@@ -46,6 +47,7 @@ from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.keys.chain import Namespace
 from vllm_kvcodec.keys.token_digests import digest_unit
 from vllm_kvcodec.plans.outcomes import LoadOutcome
+from vllm_kvcodec.save.precision_choice import merge_costs
 from vllm_kvcodec.stats import ConnectorStats
 
 if TYPE_CHECKING:
@@ -68,10 +70,10 @@ class SchedulerHalf:
         self.stats = ConnectorStats()
         self.adapters = AdapterKeys(self.stats)
         self.keying = Keying(namespace, self.chunk, digest_unit(cache_groups.hit_alignment, self.chunk), cache_groups,
-                             self.adapters, self.stats, config.block_hits)
+                             self.adapters, self.stats, config.block_hits, Precisions.from_config(config))
         self.keep_stepping = KeepStepping(config.shutdown_flush_s)  # for the workers' saves and upgrades in flight
         self.requests: dict[str, RequestState] = {}
-        queries = StoreQueries(self.store, lambda: self.keying.namespace, tp_size, groups, self.chunk, self.stats)
+        queries = StoreQueries(self.store, self.keying.namespace_of, tp_size, groups, self.chunk, self.stats)
         self.loads = LoadPlanner(config, self.keying, self.requests, queries, loaders)
         self.saves = SavePlanner(config, self.keying, self.requests, self.loads.ledger, self.store)
         self.namespace, self.digest_unit = namespace, self.keying.digest_unit
@@ -91,6 +93,10 @@ class SchedulerHalf:
     def adopt_handshake(self, handshakes: dict[int, Any]) -> None:
         """The workers' KV cache identity (fp8 scales): completes the namespace before any request is keyed."""
         self.namespace = self.keying.namespace = dataclasses.replace(self.namespace, kv_scales=agreed_scales(handshakes))
+        costs = None
+        for handshake in handshakes.values():
+            costs = merge_costs(costs, getattr(handshake, "read_costs", None))
+        self._read_costs(costs)
         digests = {h.namespace_digest for h in handshakes.values()}
         if digests != {self.namespace.digest}:
             raise ConfigError(f"kvcodec: workers key chunks under namespace {sorted(digests)}, the scheduler under "
@@ -145,6 +151,9 @@ class SchedulerHalf:
             if (state := self.requests.get(req_id)) is not None:
                 state.scheduled(cached.new_block_ids[i], cached.num_computed_tokens[i],
                                 anew=req_id in cached.resumed_req_ids)
+        for req_id in out.num_scheduled_tokens:
+            if (state := self.requests.get(req_id)) is not None and state.lossy_from is not None:
+                self.loads.lossy.mark(state)  # the KV it computes over lossy KV is lossy too
 
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         self.loads.kv_cache_manager = kv_cache_manager
@@ -162,7 +171,14 @@ class SchedulerHalf:
                 self.saves.settled(save)
         if report.save_room is not None:
             self.saves.room_freed(report.save_room)
+        self._read_costs(report.read_costs)
         self.keep_stepping.reported(report.background)
+
+    def _read_costs(self, costs: dict[str, float] | None) -> None:
+        """The workers' latest expected seconds per raw byte of each precision's loads (precision auto chooses by
+        them; a report holds the slowest figure of the workers that told in its step)."""
+        if costs:
+            self.loads.read_costs = {**(self.loads.read_costs or {}), **costs}
 
     def _adapters_loaded(self, loads: dict[int, str]) -> None:
         """The workers (re)loaded these LoRA adapters: later requests are keyed by the files they read. A request

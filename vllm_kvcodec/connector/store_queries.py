@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from storage import Store, StoreError
 from storage.outage import StoreDownError
+from vllm_kvcodec.codecs.precision import LOSSLESS
 from vllm_kvcodec.keys.block_refs import Ref, parse_ref, ref_key
 from vllm_kvcodec.keys.chain import Namespace, chunk_object_keys
 from vllm_kvcodec.stats import ConnectorStats
@@ -24,18 +25,20 @@ _T = TypeVar("_T")
 
 
 class StoreQueries:
-    def __init__(self, store: Store, namespace: Callable[[], Namespace], tp_size: int, groups: int, chunk: int,
+    def __init__(self, store: Store, namespace: Callable[[str], Namespace], tp_size: int, groups: int, chunk: int,
                  stats: ConnectorStats) -> None:
-        """``namespace``: the scheduler half's namespace as it is now (an fp8 cache's is completed at the handshake)."""
+        """``namespace``: the scheduler half's namespace of a precision as it is now (an fp8 cache's is completed at
+        the handshake; a request demanding lossless asks the lossless one, see connector/precisions.py)."""
         self.store, self._namespace, self.stats = store, namespace, stats
         self.tp_size, self.groups, self.chunk = tp_size, groups, chunk
 
-    def stored(self, hashes: list[str]) -> list[bool] | None:
-        """Per chunk (or tail) key, whether every object of it (all ranks, all layer groups) is in the store;
-        None when the store did not answer (counted: a miss)."""
+    def stored(self, hashes: list[str], precision: str = LOSSLESS) -> list[bool] | None:
+        """Per chunk (or tail) key of ``precision``'s namespace, whether every object of it (all ranks, all layer
+        groups) is in the store; None when the store did not answer (counted: a miss)."""
         if not hashes:
             return []
-        keys = [chunk_object_keys(self._namespace(), h, self.tp_size, self.groups) for h in hashes]
+        namespace = self._namespace(precision)
+        keys = [chunk_object_keys(namespace, h, self.tp_size, self.groups) for h in hashes]
         found = self._ask(lambda: self.store.exists_many([k for ks in keys for k in ks]),
                           "store lookup failed, computing the prefix instead")
         if found is None:
@@ -43,7 +46,7 @@ class StoreQueries:
         per = len(keys[0])
         return [all(found[c * per : (c + 1) * per]) for c in range(len(hashes))]
 
-    def resolve(self, prefixes: list[str]) -> list[Ref | None] | None:
+    def resolve(self, prefixes: list[str], precision: str = LOSSLESS) -> list[Ref | None] | None:
         """Per whole-block prefix, its ref if one is stored and every object it names is (two store calls);
         None when the store did not answer (counted: a miss).
 
@@ -51,7 +54,7 @@ class StoreQueries:
         prefix (exactly its tokens) is not, leads to that tail: the same
         existence check asks for both.
         """
-        namespace = self._namespace()
+        namespace = self._namespace(precision)
         blobs = self._ask(lambda: self.store.get_many([ref_key(namespace, h) for h in prefixes]),
                           "reading block refs failed, computing those blocks instead")
         if blobs is None:
@@ -62,7 +65,7 @@ class StoreQueries:
         own = {h: Ref(h, r.prefix_tokens, r.prefix_tokens) for h, r in zip(prefixes, refs)
                if r is not None and r.chunk_hash != h}
         targets = list(dict.fromkeys([r.chunk_hash for r in refs if r is not None] + list(own)))
-        held = dict(zip(targets, self.stored(targets) or [False] * len(targets))) if targets else {}
+        held = dict(zip(targets, self.stored(targets, precision) or [False] * len(targets))) if targets else {}
         out = []
         for h, r in zip(prefixes, refs):
             if r is not None and not held[r.chunk_hash] and h in own and held[h]:
@@ -73,7 +76,7 @@ class StoreQueries:
 
     def probe(self) -> Callable[[], list[bool]]:
         """An existence check of a chunk key no prompt has: what an empty lookup costs the store (lookup auto)."""
-        keys = chunk_object_keys(self._namespace(), os.urandom(16).hex(), self.tp_size, self.groups)
+        keys = chunk_object_keys(self._namespace(LOSSLESS), os.urandom(16).hex(), self.tp_size, self.groups)
         return lambda: self.store.exists_many(keys)
 
     def _ask(self, call: Callable[[], _T], failure: str) -> _T | None:

@@ -31,6 +31,7 @@ from vllm_kvcodec.connector.cache_groups import CacheGroups, layer_index
 from vllm_kvcodec.connector.cache_identity import KVCodecHandshake, is_fp8, scales_digest
 from vllm_kvcodec.connector.config import ConnectorConfig
 from vllm_kvcodec.codecs.dtypes import DType
+from vllm_kvcodec.codecs.precision import LOSSLESS
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.codecs import policy
 from vllm_kvcodec.save.codec_warmup import warm_up
@@ -43,6 +44,8 @@ from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.connector.lora_loads import LoadedAdapters, watch_adapter_loads
 from vllm_kvcodec.runtime.malloc import reuse_large_buffers
 from vllm_kvcodec.connector.metadata import KVCodecMetadata, KVCodecWorkerReport
+from vllm_kvcodec.connector.precisions import Precisions
+from vllm_kvcodec.connector.worker_precisions import WorkerPrecisions
 from vllm_kvcodec.plans.outcomes import LoadOutcome, SaveOutcome
 from vllm_kvcodec.plans.saves import SaveSpec
 from vllm_kvcodec.paged import CANONICAL_NAMESPACE, layouts_for, shared_kv_layers
@@ -106,6 +109,7 @@ class WorkerHalf:
         self.recent_loads: collections.deque = collections.deque(maxlen=64)  # for inspection and tests
         self.save_gather: SaveGather | None = None
         self.upgrader: Upgrader | None = None
+        self.precisions: WorkerPrecisions | None = None  # with the caches: each precision's addresses
         self.background = BackgroundTally(self._background_in_flight, self._save_counts)
         # LoRA: which files the adapters this worker runs were read from (lora_loads.py), checked before every
         # load and save of a LoRA request.
@@ -149,16 +153,21 @@ class WorkerHalf:
         self.chooser.reads_cost_cpu = self.store.reads_in_memory
         self.chooser.decode_takes_prefill_cores = (cores_all_busy and self.config.load_wait != "whole"
                                                    and not self.store.reads_in_memory)
+        self.precisions = WorkerPrecisions(Precisions.from_config(self.config), addresses, self.objects, ordered[0],
+                                           self.chooser, self.stats)
         self.fetcher = _fetcher_class(caches)(self.store, addresses, caches, ordered, threads.fetch,
                                               self.stats, self.chooser.observe_read,
-                                              cache_groups=self.layer_cache_groups, decode_threads=threads.decode)
+                                              cache_groups=self.layer_cache_groups, decode_threads=threads.decode,
+                                              variants=self.precisions.variants(),
+                                              observe_object=self.precisions.observe_load)
         if self.config.prefetches() and not self.store.ranged_reads:  # objects read in place are never taken
             self.prefetcher = Prefetcher(self.store, self.config.prefetch_bytes, self.stats)
             self.fetcher.prefetched = self.prefetcher
         held = HeldSaves(self.config.load_timeout_s + HOLD_SLACK_S) if self.loaders > 1 else None
         self.saver = Saver(self.store, addresses, self.chooser, self.config.save_threads,
                            self.config.max_pending_save_bytes, self.stats, report=self._save_settled,
-                           nice=self.config.save_thread_nice, held=held)
+                           nice=self.config.save_thread_nice, held=held, lossy=self.precisions.lossy,
+                           observe_object=self.precisions.observe_save)
         self.save_gather = save_gather_for(caches, ordered, self.saver, self.layer_cache_groups, self.objects)
         self.fetcher.placement.block_reads = self.save_gather.block_reads  # loads wait for reads of their blocks
         if self.config.save and self.config.upgrade_fallback_chunks and self.chooser.behind is not None:
@@ -166,12 +175,15 @@ class WorkerHalf:
                                      ended=self.background.progressed)
             self.fetcher.after_load = self.upgrader.offer
         self.chooser.token_axis = self.objects.token_axis
-        if self.chooser.auto and self.config.save:  # a load-only instance chooses no codec: it writes nothing
+        probed = self.chooser.auto and self.config.save  # a load-only instance chooses no codec: it writes nothing
+        if probed:
             probe_link(self.store, addresses.key(os.urandom(16).hex(), 0), self.chooser)
+        self.precisions.probe(self.store, self.chooser, probed)
         logger.info("kvcodec: %d KV layers, %d per stored object (%d KV cache groups: %s), layout %s, store %s, "
-                    "codec %s, %d fetch / %d decode threads", len(names), len(self.groups[0]), len(self.cache_groups.groups),
-                    ", ".join(g.label for g in self.cache_groups.groups), ordered[0].layout_id,
-                    redact_url(self.config.store), self.chooser.fixed or "auto", threads.fetch, threads.decode)
+                    "codec %s, precision %s, %d fetch / %d decode threads", len(names), len(self.groups[0]),
+                    len(self.cache_groups.groups), ", ".join(g.label for g in self.cache_groups.groups),
+                    ordered[0].layout_id, redact_url(self.config.store), self.chooser.fixed or "auto",
+                    self.precisions.precisions.label(), threads.fetch, threads.decode)
 
     def _check_save_room(self) -> None:
         """A cap below one chunk would drop every save, silently but for a counter: refuse it at start-up
@@ -209,7 +221,8 @@ class WorkerHalf:
 
     def handshake(self) -> KVCodecHandshake:
         """What the scheduler half needs from this worker before it keys any chunk (vLLM's connector handshake)."""
-        return KVCodecHandshake(kv_scales=self.namespace.kv_scales, namespace_digest=self.namespace.digest)
+        return KVCodecHandshake(kv_scales=self.namespace.kv_scales, namespace_digest=self.namespace.digest,
+                                read_costs=self.precisions.report() if self.precisions is not None else None)
 
     # ---- load -----------------------------------------------------------------------
     def start_load_kv(self, meta: KVCodecMetadata) -> None:
@@ -219,10 +232,10 @@ class WorkerHalf:
         self.recent_loads.extend(meta.loads)
         if self.prefetcher is not None:
             for ahead in meta.prefetches:
-                self.prefetcher.start(ahead.req_id, self._prefetch_objects(ahead.chunk_hashes))
+                self.prefetcher.start(ahead.req_id, self._prefetch_objects(ahead.chunk_hashes, ahead.precisions))
         if self.prefetcher is not None and meta.loads:
-            chunks = [c.chunk_hash for spec in meta.loads for c in spec.chunks]
-            self.prefetcher.claim([self.addresses.key(h, g) for h in chunks for g in range(len(self.groups))])
+            chunks = [(c.chunk_hash, c.precisions[0]) for spec in meta.loads for c in spec.chunks]
+            self.prefetcher.claim([self._key(h, p, g) for h, p in chunks for g in range(len(self.groups))])
         self._load_ids.update((spec.req_id, spec.load_id) for spec in meta.loads)
         refused = {spec.req_id for spec in meta.loads if not self._runs_adapter(spec.adapter)}
         if refused:
@@ -237,13 +250,19 @@ class WorkerHalf:
             for req_id in meta.prefetch_done:  # after the loads claimed theirs
                 self.prefetcher.give_up(req_id)
 
-    def _prefetch_objects(self, chunk_hashes: list[str]) -> list[tuple[str, int]]:
-        """Each chunk's objects of this rank, with the bytes each may hold at most (raw KV plus its header)."""
+    def _prefetch_objects(self, chunk_hashes: list[str], precisions: list[tuple[str, ...]] | None) -> list[tuple[str, int]]:
+        """Each chunk's objects of this rank (in the first precision its load will read), with the bytes each may
+        hold at most (raw KV plus its header)."""
+        first = [p[0] for p in precisions] if precisions else [LOSSLESS] * len(chunk_hashes)
         out = []
         for g, layers in enumerate(self.groups):
             size = len(layers) * self.namespace.chunk_size * self.layouts[layers[0]].token_nbytes() + PREFETCH_SLACK
-            out.extend((self.addresses.key(h, g), size) for h in chunk_hashes)
+            out.extend((self._key(h, p, g), size) for h, p in zip(chunk_hashes, first))
         return out
+
+    def _key(self, chunk_hash: str, precision: str, group: int) -> str:
+        """This rank's object of ``group`` of a chunk, in ``precision``'s namespace."""
+        return self.precisions.addresses[precision].key(chunk_hash, group)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         job = self._sync_job
@@ -375,10 +394,11 @@ class WorkerHalf:
         loads, self._load_outcomes = self._load_outcomes, {}
         background = self.background.report()
         adapters = self.adapters.new_loads() if self.adapters is not None else {}
-        if not loads and not saves and background is None and not adapters:
+        costs = self.precisions.report() if self.precisions is not None else None
+        if not loads and not saves and background is None and not adapters and not costs:
             return None
         return KVCodecWorkerReport(loads, saves, None if self.saver is None else self.saver.room(), background,
-                                   adapters)
+                                   adapters, costs)
 
     def _save_settled(self, outcome: SaveOutcome) -> None:
         with self._outcome_lock:

@@ -9,7 +9,8 @@ tensor-parallel size, chunking, layer grouping, the token digests' unit where it
 is not 16, and format version, the
 model-config inputs that change KV for the same weights (``hf_overrides`` and
 the like, see keys/identity.py), the key hash itself, plus an optional deployment
-salt, and whether every rank holds the same KV (``kv_replicated``). A chunk's key covers the whole prefix up to it
+salt, whether every rank holds the same KV (``kv_replicated``), and a lossy precision
+where objects hold quantised KV (``precision``). A chunk's key covers the whole prefix up to it
 (``h_i = H(h_{i-1} || tokens_i || media_i)``, seeded by the request's salt and
 LoRA adapter), so equal keys mean equal prefixes in equal contexts. ``H`` is SHA-256
 unless the deployment opted into XXH3-128 (:mod:`~vllm_kvcodec.keys.key_hash`), over explicit little-endian bytes:
@@ -79,6 +80,9 @@ class Namespace:
     # Tokens per token digest where it is not token_digests.UNIT (blocks, or vLLM's prefix_match_unit, under 16
     # tokens): objects record their digests in it, and a reader of another unit fails every load (kind tokens).
     digest_unit: int = 0
+    # A lossy precision (codecs/precision.py, ``Precision.key``: the level and what it keeps exact); "" for lossless,
+    # so that every lossless namespace keeps its digest. A lossless reader never computes a lossy namespace's keys.
+    precision: str = ""
 
     @functools.cached_property
     def digest(self) -> str:
@@ -121,7 +125,8 @@ class Namespace:
         return mine[0], [range(groups[i].start - first, groups[i].stop - first) for i in mine]
 
 
-_OPTIONAL_FIELDS = ("kv_scales", "attention", "kv_replicated", "pp_layers", "config_inputs", "compute_dtype", "digest_unit")
+_OPTIONAL_FIELDS = ("kv_scales", "attention", "kv_replicated", "pp_layers", "config_inputs", "compute_dtype", "digest_unit",
+                    "precision")
 
 
 def chunk_hashes(

@@ -199,9 +199,10 @@ class CudaPlacement(Placement):
 
     def _dequantizes(self, header: ChunkHeader, spans: list[Span]) -> bool:
         """A lossy ``quantized`` object the kernel dequantises into the pages: packed K‖V caches of one KV cache group,
-        canonical objects, no value digest (the CPU decode checks one; the kernel keeps no values to hash)."""
+        canonical objects (every lossy namespace is, whatever the engine's own: connector/precisions.py), no value
+        digest (the CPU decode checks one; the kernel keeps no values to hash)."""
         return (is_quantized(header) and self.pages is not None and len(spans) == 1 and header.value_digest is None
-                and not isinstance(self.objects, PageObjects) and sys.byteorder == "little")
+                and sys.byteorder == "little")
 
     def _decode_quantized(self, blob: bytes, header: ChunkHeader, spans: list[Span], slots: list[int]) -> Decoded:
         """rANS and every check on the host; the integers, scales, kept values and slots staged and copied at once."""
@@ -331,7 +332,7 @@ class CudaPlacement(Placement):
                 dequantize_into_pages(self.pages, layers.start, decoded.kv, decoded.spans[0].first_token,
                                       decoded.device_slots[0])
                 return
-            if isinstance(self.objects, PageObjects):  # whole pages: block copies on the device
+            if isinstance(self.objects_of(decoded), PageObjects):  # whole pages: block copies on the device
                 self.write_layers(layers, decoded)
                 return
             if self.pages is not None and len(groups) == 1:

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 import torch
 
 from storage import Store, StoreError
+from vllm_kvcodec.codecs.precision import LOSSLESS, stored_precision
 from vllm_kvcodec.errors import ChunkFormatError
 from vllm_kvcodec.format import ChunkHeader, decode_payload, decode_payload_into, payload_of, read_header
 from vllm_kvcodec.keys.chain import ObjectAddresses
@@ -54,7 +55,7 @@ from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.load.placement import HostPlacement, Placement
 from vllm_kvcodec.runtime.malloc import warm_thread_heap
 from vllm_kvcodec.paged import PagedLayout
-from vllm_kvcodec.paged.objects import PageObjects, object_layout_for
+from vllm_kvcodec.paged.objects import ObjectLayout, PageObjects, object_layout_for
 from vllm_kvcodec.plans.loads import ChunkLoad, LoadSpec
 from vllm_kvcodec.plans.spans import Span
 from vllm_kvcodec.runtime.threads import one_torch_thread, started_pool
@@ -115,13 +116,21 @@ class Fetcher:
         placement: Placement | None = None,
         cache_groups: list[int] | None = None,
         decode_threads: int | None = None,
+        variants: dict[str, ObjectAddresses] | None = None,
+        observe_object: Callable[[str, int, int, float], None] | None = None,
     ) -> None:
-        """``decode_threads``: threads that decode and scatter (None: the fetch threads do it themselves)."""
+        """``decode_threads``: threads that decode and scatter (None: the fetch threads do it themselves).
+        ``variants``: where each precision's objects are (lossy precisions: see connector/precisions.py), which a
+        chunk's plan names (``ChunkLoad.precisions``); ``observe_object`` is told (precision, stored bytes, raw
+        bytes, decode seconds) of each object loaded (save/precision_choice.py)."""
         self.store, self.addresses = store, addresses
         self.observe_read = observe_read  # (nbytes, seconds, end=): feeds the link estimate of codec "auto"
+        self.observe_object = observe_object
         self.groups, self.caches, self.layouts, self.stats = addresses.groups, caches, layouts, stats
         self.placement = placement if placement is not None else HostPlacement(caches, layouts, cache_groups)
         self.objects = self.placement.objects = object_layout_for(addresses.namespace.layout_id)
+        self.variants = {LOSSLESS: addresses, **(variants or {})}
+        self._objects = {p: object_layout_for(a.namespace.layout_id) for p, a in self.variants.items()}
         self._pool = started_pool(threads, "kvcodec-fetch", _warm_thread)
         self._decode_pool: ThreadPoolExecutor | None = None
         self.pages = PageGeometry(caches, layouts, self.placement.cache_groups)  # reads in place, copies into pages
@@ -174,6 +183,8 @@ class Fetcher:
     def _counted_batch(self, job: LoadJob, group: int, batch: list[tuple[int, ChunkLoad]]) -> None:
         try:
             self._load_batch(job, group, batch)
+        except Exception:  # a bug, not a failed read: its objects settle at the job's deadline (recomputed)
+            logger.exception("kvcodec: a load batch of group %d raised", group)
         finally:
             self._batch_settled()
 
@@ -195,14 +206,22 @@ class Fetcher:
         per = max(1, BATCH_BYTES // max(1, raw))
         return [objects[i : i + per] for i in range(0, len(objects), per)]
 
+    def _key(self, chunk: ChunkLoad, group: int, precision: str | None = None) -> str:
+        """The key of a chunk's object of ``group``, in its first precision's namespace (or ``precision``'s)."""
+        return self.variants[precision or chunk.precisions[0]].key(chunk.chunk_hash, group)
+
     def _load_batch(self, job: LoadJob, group: int, batch: list[tuple[int, ChunkLoad]]) -> None:
-        if self._reads_in_place():  # one "fetch" per batch all the same: the time its objects took to read
+        in_place = [(index, chunk) for index, chunk in batch if self._reads_in_place(chunk.precisions[0])]
+        if in_place:  # one "fetch" per batch all the same: the time its objects took to read
             reads = [r for r in self._run([(self._settle_in_place, (job, group, index, chunk))
-                                           for index, chunk in batch]) if r is not None]
+                                           for index, chunk in in_place]) if r is not None]
             if reads:
                 self._fetched(job, sum(r.nbytes for r in reads), sum(r.seconds for r in reads), max(r.end for r in reads))
-            return
-        keys = [self.addresses.key(chunk.chunk_hash, group) for _, chunk in batch]
+            done = {index for index, _ in in_place}
+            batch = [(index, chunk) for index, chunk in batch if index not in done]
+            if not batch:
+                return
+        keys = [self._key(chunk, group) for _, chunk in batch]
         blobs: list[bytes | None] = [None] * len(batch)
         error: Exception | None = None
         t0 = time.perf_counter()
@@ -251,9 +270,29 @@ class Fetcher:
                 self._decode_scatter(job, group, chunk, key, blob)
                 ok = True
         except Exception as exc:  # noqa: BLE001 - any failure means "recompute these blocks"
-            self._failed(exc, chunk, group)
+            ok = self._fall_back(job, group, chunk, exc)
         finally:
             job.object_done(group, index, ok)
+
+    def _fall_back(self, job: LoadJob, group: int, chunk: ChunkLoad, exc: BaseException) -> bool:
+        """A chunk's object that failed in its first precision (precision auto: the lossy variant, missing or bad)
+        read in the next one (the lossless object its lookup found), alone: no recompute for a missing variant.
+        True if one landed; else the failure is counted (the blocks are recomputed)."""
+        for precision in chunk.precisions[1:]:
+            if job.cancelled:
+                break
+            key = self._key(chunk, group, precision)
+            logger.debug("kvcodec: %s object of chunk %s group %d failed (%s); reading %s", chunk.precisions[0],
+                         chunk.chunk_hash[:12], group, exc, precision)
+            try:
+                self._decode_scatter(job, group, chunk, key, self.store.get(key), precision)
+            except Exception as later:  # noqa: BLE001 - the next precision, or recompute
+                exc = later
+                continue
+            self.stats.add(precision_fallbacks=1)
+            return True
+        self._failed(exc, chunk, group)
+        return False
 
     def _failed(self, exc: BaseException, chunk: ChunkLoad, group: int) -> None:
         self.stats.add(load_failures=1, **{f"load_failures_{failure_kind(exc)}": 1})
@@ -261,26 +300,27 @@ class Fetcher:
 
     # ---- objects read in place (a local file store; see direct_read) ----------------------------------------
 
-    def _host_pages(self) -> bool:
+    def _host_pages(self, precision: str = LOSSLESS) -> bool:
         """Page objects into host caches: what reads in place and ``copy_into`` write (by page extents)."""
-        return isinstance(self.objects, PageObjects) and type(self.placement) is HostPlacement
+        return isinstance(self._objects[precision], PageObjects) and type(self.placement) is HostPlacement
 
-    def _page_runs(self, layers: list[int], spans: list[Span], header: ChunkHeader) -> list[PageRun] | None:
+    def _page_runs(self, layers: list[int], spans: list[Span], header: ChunkHeader,
+                   precision: str = LOSSLESS) -> list[PageRun] | None:
         """Where a page object into host caches goes, run by run (None: elsewhere, or not landing whole)."""
-        return self.pages.runs(layers, spans, header) if self._host_pages() else None
+        return self.pages.runs(layers, spans, header) if self._host_pages(precision) else None
 
-    def _reads_in_place(self) -> bool:
-        return self._host_pages() and self.store.ranged_reads
+    def _reads_in_place(self, precision: str = LOSSLESS) -> bool:
+        return self._host_pages(precision) and self.store.ranged_reads
 
     def _settle_in_place(self, job: LoadJob, group: int, index: int, chunk: ChunkLoad) -> Read | None:
         """One object opened in the store: its pages read straight into the cache where they can be, else decoded."""
         ok, read = False, None
         try:
             if not job.cancelled:  # cancelled before it was read: nothing to count
-                read = self._read_in_place(job, group, chunk, self.addresses.key(chunk.chunk_hash, group))
+                read = self._read_in_place(job, group, chunk, self._key(chunk, group))
                 ok = True
         except Exception as exc:  # noqa: BLE001 - any failure means "recompute these blocks"
-            self._failed(exc, chunk, group)
+            ok = self._fall_back(job, group, chunk, exc)
         finally:
             job.object_done(group, index, ok)
         return read
@@ -297,8 +337,9 @@ class Fetcher:
         with value:
             head, header = read_head(value, key)
             layers = self.groups[group]
-            self._check(header, chunk, len(layers), key)
-            runs = self._page_runs(layers, chunk.spans, header) if is_raw(header) else None
+            self._check(header, chunk, len(layers), key, self._objects[chunk.precisions[0]],
+                        chunk.precisions[0])
+            runs = self._page_runs(layers, chunk.spans, header, chunk.precisions[0]) if is_raw(header) else None
             if runs is None:  # compressed, or not landing whole: read it all, then decode and scatter
                 blob = value.read(0, value.size)
                 t1 = time.perf_counter()
@@ -308,7 +349,8 @@ class Fetcher:
             check_s = read_pages_into(value, head, header, buffers, lambda read: self._write(job, read))
         t1 = time.perf_counter()
         job.account(cpu_s=check_s)
-        self._loaded(group, chunk, header, value.size, decode_s=check_s, scatter_s=0.0, on_device=False)
+        self._loaded(group, chunk, header, value.size, decode_s=check_s, scatter_s=0.0, on_device=False,
+                     precision=chunk.precisions[0])
         self.stats.add(objects_read_in_place=1)
         return Read(value.size, t1 - t0 - check_s, t1 - check_s)
 
@@ -324,24 +366,30 @@ class Fetcher:
 
     # ---- decode, then scatter ---------------------------------------------------------------------------------
 
-    def _decode_scatter(self, job: LoadJob, group: int, chunk: ChunkLoad, key: str, blob: bytes | None) -> None:
+    def _decode_scatter(self, job: LoadJob, group: int, chunk: ChunkLoad, key: str, blob: bytes | None,
+                        precision: str | None = None) -> None:
+        """Check, decode and scatter one fetched object of the chunk's first precision (or ``precision``)."""
         if blob is None:
             raise LoadError(f"object {key} is missing", "missing")
+        precision = precision or chunk.precisions[0]
+        objects = self._objects[precision]
         t1 = time.perf_counter()
         header = read_header(blob, key=key)  # sizes, checksum and key binding: a swapped object is rejected
         layers = self.groups[group]
-        self._check(header, chunk, len(layers), key)
-        if (runs := self._page_runs(layers, chunk.spans, header)) is not None:
+        self._check(header, chunk, len(layers), key, objects, precision)
+        if (runs := self._page_runs(layers, chunk.spans, header, precision)) is not None:
             t2 = self._into_pages(job, blob, header, runs)
             on_device = False
         else:
             decoded = self.placement.decode(blob, header, chunk.spans)
+            decoded.objects = objects
             t2 = time.perf_counter()
             self._write(job, lambda: self.placement.scatter(layers, decoded))
             on_device = decoded.on_device
         t3 = time.perf_counter()
         job.account(cpu_s=t3 - t1)
-        self._loaded(group, chunk, header, len(blob), decode_s=t2 - t1, scatter_s=t3 - t2, on_device=on_device)
+        self._loaded(group, chunk, header, len(blob), decode_s=t2 - t1, scatter_s=t3 - t2, on_device=on_device,
+                     precision=precision)
         if self.after_load is not None:
             self.after_load(key, blob, header)
 
@@ -359,22 +407,31 @@ class Fetcher:
         return decoded
 
     def _loaded(self, group: int, chunk: ChunkLoad, header: ChunkHeader, nbytes: int, *, decode_s: float,
-                scatter_s: float, on_device: bool) -> None:
+                scatter_s: float, on_device: bool, precision: str) -> None:
+        """Count one object in place; ``precision``: the namespace it was read from (what it holds: its header)."""
         self.stats.add(
             loaded_objects=1, loaded_bytes=nbytes, loaded_raw_bytes=header.raw_nbytes,
             decode_s=decode_s, scatter_s=scatter_s, **{f"codec_{header.codec_id}_loads": 1},
+            **{f"precision_reads_{stored_precision(header.codec_config)}": 1},
             **({"loaded_tokens": chunk.tokens} if group == 0 else {}),
             **({"gpu_decoded_objects": 1} if on_device else {}),
         )
         self.stats.sample(decode_s=decode_s, scatter_s=scatter_s)
+        if self.observe_object is not None:
+            self.observe_object(precision, nbytes, header.raw_nbytes, decode_s)
 
-    def _check(self, header: ChunkHeader, chunk: ChunkLoad, num_layers: int, key: str) -> None:
+    def _check(self, header: ChunkHeader, chunk: ChunkLoad, num_layers: int, key: str, objects: ObjectLayout,
+               precision: str) -> None:
         """Before anything is decoded: the object must hold exactly one layer group of this engine's KV for the
-        chunk's tokens, and record this prompt's tokens for every token the load writes (``chunk.expect``)."""
+        chunk's tokens, as ``objects`` lay it out, and record this prompt's tokens for every token the load
+        writes (``chunk.expect``). A lossless read takes no lossy object, whatever key it is bound to (the
+        namespaces keep them apart; this keeps a miswritten store from doing otherwise)."""
+        if precision == LOSSLESS and stored_precision(header.codec_config) != LOSSLESS:
+            raise LoadError(f"object {key} is lossy ({header.codec_config.get('id')}), read as lossless", "mismatch")
         first = self.groups[0][0]
         a = self.layouts[first]
         tokens = chunk.object_tokens or self.addresses.namespace.chunk_size
-        expected = self.objects.object_shape(num_layers, a, self.caches[first], tokens)
+        expected = objects.object_shape(num_layers, a, self.caches[first], tokens)
         if header.shape != expected or header.dtype.torch_dtype != a.dtype:
             raise LoadError(f"stored object holds {header.shape} {header.dtype.name.lower()}, expected {expected} {a.dtype}",
                             "mismatch")

@@ -37,6 +37,7 @@ class Decoded:
     spans: list[Span]  # one per KV cache group: where its tokens start in the chunk, and their slots
     on_device: bool = False  # decoded by a device kernel (counted as gpu_decoded_objects)
     device_slots: list[torch.Tensor] | None = None  # the spans' slots, already where the caches are (CUDA)
+    objects: ObjectLayout | None = None  # what it holds where not the placement's own (a lossy precision's canonical KV)
 
 
 class Placement(abc.ABC):
@@ -67,16 +68,21 @@ class Placement(abc.ABC):
         """Before any write of these loads is enqueued: order them after the save path's reads of their blocks
         (nothing to order where copies finish before they return)."""
 
+    def objects_of(self, decoded: Decoded) -> ObjectLayout:
+        """The object layout ``decoded`` is in: its own, or the placement's."""
+        return decoded.objects or self.objects
+
     def write_layers(self, layers: range, decoded: Decoded) -> None:
         """Each layer's part of ``decoded`` through the object layout, its group's span checked once per object."""
+        objects = self.objects_of(decoded)
         targets: dict[int, Target | None] = {}
         for part, layer in zip(decoded.kv.unbind(0), layers):
             group = self.cache_groups[layer]
             if group not in targets:
                 span = decoded.spans[group]  # a window group may hold none of this chunk's blocks
-                targets[group] = self.objects.target(self.layouts[layer], span.slots, span.first_token) if span.slots else None
+                targets[group] = objects.target(self.layouts[layer], span.slots, span.first_token) if span.slots else None
             if (target := targets[group]) is not None:
-                self.objects.write_to(self.layouts[layer], self.caches[layer], target, part)
+                objects.write_to(self.layouts[layer], self.caches[layer], target, part)
 
 
 class HostPlacement(Placement):

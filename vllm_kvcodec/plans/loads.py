@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from vllm_kvcodec.codecs.precision import LOSSLESS
 from vllm_kvcodec.format import TokenDigests
 from vllm_kvcodec.plans.spans import Span, one_span
 
@@ -27,6 +28,9 @@ class ChunkLoad:
     load through a block ref (:mod:`~vllm_kvcodec.keys.block_refs`) writes only the
     first of the object's tokens. ``expect``: the digests of this prompt's tokens the object must record
     (:mod:`~vllm_kvcodec.keys.token_digests`), up to the last token the load writes; checked before any write.
+    ``precisions``: the namespaces to read it from, in order (``lossless``, or a lossy level: see
+    ``connector/precisions.py``); a later one is read where an earlier one is missing or fails (precision auto:
+    the lossy variant, then the lossless object the lookup found).
     """
 
     chunk_hash: str
@@ -34,6 +38,7 @@ class ChunkLoad:
     block_ids: list[int]
     object_tokens: int | None = None  # tokens the stored object holds: None for a full chunk, fewer for a tail
     expect: TokenDigests | None = None
+    precisions: tuple[str, ...] = (LOSSLESS,)
 
     @property
     def tokens(self) -> int:
@@ -67,3 +72,4 @@ class PrefetchSpec:
 
     req_id: str
     chunk_hashes: list[str]
+    precisions: list[tuple[str, ...]] | None = None  # per chunk, as ChunkLoad.precisions (None: lossless each)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from vllm_kvcodec.codecs.precision import LOSSLESS
 from vllm_kvcodec.format import TokenDigests
 from vllm_kvcodec.plans.spans import one_group
 
@@ -37,6 +38,10 @@ class SaveSpec:
     refs: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     digests: TokenDigests | None = None  # its tokens, recorded in every object's header (token_digests.py)
     adapter: tuple[int, str] | None = None  # LoRA: (adapter id, weights its key names), which the worker checks
+    # the namespaces to store it in (lossless, a lossy level, or both with precision auto: connector/precisions.py),
+    # and whether it is its sequence's first chunk (which alone keeps a lossy level's sink tokens exact)
+    precisions: tuple[str, ...] = (LOSSLESS,)
+    first_chunk: bool = False
 
     @property
     def slots(self) -> list[int]:

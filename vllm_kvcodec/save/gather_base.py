@@ -36,7 +36,8 @@ class SaveSink(Protocol):
 
     def submit(self, chunk_hash: str, kv: torch.Tensor, req_id: str = "", reserved: bool = False,
                tokens: int | None = None, refs: Sequence[tuple[str, int]] = (),
-               digests: "TokenDigests | None" = None, hold: Collection[int] = ()) -> bool: ...
+               digests: "TokenDigests | None" = None, hold: Collection[int] = (),
+               precisions: Sequence[str] = ("lossless",), first_chunk: bool = False) -> bool: ...
 
 
 #: ``(req_id, chunk_hash, group_slots)`` of one chunk to save (a :class:`~vllm_kvcodec.plans.saves.SaveSpec`).
@@ -124,11 +125,14 @@ class SaveGather(abc.ABC):
     def _hand_over(self, index: int, spec: SaveSpecLike, nbytes: int) -> None: ...
 
     def _submit(self, spec: SaveSpecLike, kv: torch.Tensor) -> None:
-        """Hand one gathered chunk (its bytes reserved) to the Saver with what its header and refs record, and the
-        loads whose every-worker outcome it waits for (:mod:`~vllm_kvcodec.save.held_saves`)."""
+        """Hand one gathered chunk (its bytes reserved) to the Saver with what its header and refs record, the
+        loads whose every-worker outcome it waits for (:mod:`~vllm_kvcodec.save.held_saves`), and the precisions
+        it is stored in."""
         self.saver.submit(spec.chunk_hash, kv, spec.req_id, reserved=True, tokens=spec.tokens,
                           refs=getattr(spec, "refs", ()), digests=getattr(spec, "digests", None),
-                          hold=getattr(spec, "unsettled_loads", ()))
+                          hold=getattr(spec, "unsettled_loads", ()),
+                          precisions=getattr(spec, "precisions", ("lossless",)),
+                          first_chunk=getattr(spec, "first_chunk", False))
 
     def _finish_step(self) -> None:
         """Release per-step buffers (and, on a GPU, order the engine's stream after the gathers)."""

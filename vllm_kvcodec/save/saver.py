@@ -26,9 +26,11 @@ from storage import Store
 from vllm_kvcodec.keys.block_refs import Ref, encode_ref, ref_key
 from vllm_kvcodec.save.codec_choice import CodecChooser
 from vllm_kvcodec.format import TokenDigests, encode_chunk
+from vllm_kvcodec.codecs.precision import LOSSLESS, stored_precision
 from vllm_kvcodec.keys.chain import ObjectAddresses
 from vllm_kvcodec.plans.outcomes import SaveOutcome
 from vllm_kvcodec.save.held_saves import HeldSaves, Released
+from vllm_kvcodec.save.lossy_objects import LossyObjects
 from vllm_kvcodec.stats import ConnectorStats
 from vllm_kvcodec.runtime.threads import one_torch_thread, started_pool
 
@@ -63,6 +65,8 @@ class _Job:
     tokens: int
     refs: tuple[tuple[str, int], ...]
     digests: TokenDigests | None
+    precisions: tuple[str, ...] = (LOSSLESS,)  # the namespaces it is stored in (connector/precisions.py)
+    first_chunk: bool = False  # its sequence's first chunk: a lossy level keeps its sink tokens exact
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +89,16 @@ class Saver:
         report: Callable[[SaveOutcome], None] = lambda outcome: None,
         nice: int = 0,
         held: HeldSaves | None = None,
+        lossy: LossyObjects | None = None,
+        observe_object: Callable[[str, int, int], None] | None = None,
     ) -> None:
         """``held``: where saves wait for every worker's outcome of their loads (:mod:`~.held_saves`), given where
-        more than one worker runs each load; None: a save rests on this worker's loads only, known at submit."""
+        more than one worker runs each load; None: a save rests on this worker's loads only, known at submit.
+        ``lossy``: where and how a lossy precision's objects are stored (None: lossless only); ``observe_object``
+        is told (precision, stored bytes, raw bytes) of each chunk stored (save/precision_choice.py)."""
         self.store, self.addresses, self.groups = store, addresses, addresses.groups
+        self.lossy, self.observe_object = lossy, observe_object
+        self.variants = {LOSSLESS: addresses, **(lossy.addresses if lossy is not None else {})}
         self.chooser, self.stats, self.max_pending = chooser, stats, max_pending_bytes
         self.report = report
         self._dropping_for_outage = False
@@ -143,13 +153,17 @@ class Saver:
 
     def submit(self, chunk_hash: str, kv: torch.Tensor, req_id: str = "", reserved: bool = False,
                tokens: int | None = None, refs: Sequence[tuple[str, int]] = (),
-               digests: TokenDigests | None = None, hold: Collection[int] = ()) -> bool:
+               digests: TokenDigests | None = None, hold: Collection[int] = (),
+               precisions: Sequence[str] = (LOSSLESS,), first_chunk: bool = False) -> bool:
         """Queue ``kv`` ``[layers, 2, chunk, heads, dim]`` for encoding and storing (its bytes reserved, or not yet);
         every object records ``digests`` of its tokens (:mod:`~vllm_kvcodec.keys.token_digests`); once it landed, rank 0
         writes its block refs ``refs`` (prefix hash and tokens each; see :mod:`~vllm_kvcodec.keys.block_refs`).
-        ``hold``: the loads it was computed after whose every-worker outcome is not known yet (see ``held``)."""
+        ``hold``: the loads it was computed after whose every-worker outcome is not known yet (see ``held``).
+        ``precisions``: the namespaces it is stored in, each one object per layer group (``first_chunk``: its
+        sequence's first, whose sink tokens a lossy level keeps exact)."""
         nbytes = kv.numel() * kv.element_size()
-        job = _Job(chunk_hash, kv, nbytes, req_id, kv.shape[2] if tokens is None else tokens, tuple(refs), digests)
+        job = _Job(chunk_hash, kv, nbytes, req_id, kv.shape[2] if tokens is None else tokens, tuple(refs), digests,
+                   tuple(precisions), first_chunk)
         if self._store_is_down():
             if reserved:
                 self.unreserve(nbytes)
@@ -238,17 +252,14 @@ class Saver:
             return self._waiting >= self.threads
 
     def _encode_put(self, job: _Job) -> None:
-        chunk_hash, kv, nbytes, tokens, digests = job.chunk_hash, job.kv, job.nbytes, job.tokens, job.digests
+        chunk_hash, nbytes, tokens = job.chunk_hash, job.nbytes, job.tokens
         landed = False
         try:
             t0 = time.perf_counter()
             behind = self._behind()
-            codec = self.chooser.codec_for(kv[: len(self.groups[0])], behind=behind)
-            keys = [self.addresses.key(chunk_hash, g) for g in range(len(self.groups))]
-            items = [
-                (key, encode_chunk(kv[layers.start : layers.stop], codec, key=key, tokens=digests))  # bound to key, tokens
-                for key, layers in zip(keys, self.groups)
-            ]
+            items: list[tuple[str, bytes]] = []
+            for precision in job.precisions:
+                items += self._encode(job, precision, behind)
             t1 = time.perf_counter()
             self.store.put_many(items)
             t2 = time.perf_counter()
@@ -256,10 +267,9 @@ class Saver:
             self.chooser.observe_write(stored, t2 - t1, end=t2)
             self.stats.add(saved_chunks=1, saved_objects=len(items), saved_tokens=tokens,
                            saved_bytes=stored, saved_raw_bytes=nbytes, encode_s=t1 - t0, put_s=t2 - t1,
-                           **{f"codec_{codec.codec_id}_saves": 1},
                            **({"saves_behind": 1} if behind else {}))
             landed = True
-            self._put_refs(chunk_hash, tokens, job.refs)
+            self._put_refs(self.variants[job.precisions[0]], chunk_hash, tokens, job.refs)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an engine error
             self.stats.add(save_failures=1)
             logger.warning("kvcodec: saving chunk %s failed: %s", chunk_hash[:12], exc)
@@ -270,14 +280,39 @@ class Saver:
                 self._ended = SaveCounts(ended.landed + landed, ended.failed + (not landed))
             self.report(SaveOutcome(job.req_id, chunk_hash, landed))
 
-    def _put_refs(self, chunk_hash: str, tokens: int, refs: Sequence[tuple[str, int]]) -> None:
-        """The object's block refs, after it landed (a ref never names an object not yet stored), by one rank
-        only (they are namespace-wide: ``writes_refs``), each bound to its own key. A ref that fails to land is a
-        shorter hit later, not a failed save."""
-        if not refs or not self.addresses.writes_refs:
+    def _encode(self, job: _Job, precision: str, behind: bool) -> list[tuple[str, bytes]]:
+        """One object per layer group of ``job`` in ``precision``'s namespace, each bound to its key and tokens."""
+        keys = [self.variants[precision].key(job.chunk_hash, g) for g in range(len(self.groups))]
+        t0 = time.perf_counter()
+        if precision == LOSSLESS:
+            codec = self.chooser.codec_for(job.kv[: len(self.groups[0])], behind=behind)
+            items = [(key, encode_chunk(job.kv[layers.start : layers.stop], codec, key=key, tokens=job.digests))
+                     for key, layers in zip(keys, self.groups)]
+            codecs = [codec]
+        else:
+            assert self.lossy is not None, f"a {precision} save on a saver without lossy objects"
+            items, codecs = self.lossy.encode(job.kv, keys, job.digests, job.first_chunk, lossless_beside=LOSSLESS
+                                              in job.precisions)
+        if not items:
+            return items  # a variant not stored (the chunk holds NaN or inf: lossless only)
+        held = stored_precision(codecs[0].get_config())  # what the objects hold (a NaN chunk: lossless)
+        stored = sum(len(v) for _, v in items)
+        self.stats.add(**{f"codec_{codecs[0].codec_id}_saves": 1, f"precision_saves_{held}": len(items),
+                          f"precision_saved_bytes_{held}": stored,
+                          f"precision_encode_s_{held}": time.perf_counter() - t0})
+        if self.observe_object is not None:
+            self.observe_object(precision, stored, job.nbytes)
+        return items
+
+    def _put_refs(self, addresses: ObjectAddresses, chunk_hash: str, tokens: int,
+                  refs: Sequence[tuple[str, int]]) -> None:
+        """The object's block refs in its namespace, after it landed (a ref never names an object not yet stored),
+        by one rank only (they are namespace-wide: ``writes_refs``), each bound to its own key. A ref that fails to
+        land is a shorter hit later, not a failed save."""
+        if not refs or not addresses.writes_refs:
             return
         ref = Ref(chunk_hash, tokens)
-        items = [(ref_key(self.addresses.namespace, h), encode_ref(h, t, ref)) for h, t in refs]
+        items = [(ref_key(addresses.namespace, h), encode_ref(h, t, ref)) for h, t in refs]
         try:
             self.store.put_many(items)
         except Exception as exc:  # noqa: BLE001 - refs are an index: losing one costs a shorter hit

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from storage import open_store
-from vllm_kvcodec.codecs.precision import LEVELS, Precision
+from vllm_kvcodec.codecs.precision import LEVELS, LOSSLESS, Precision
 from vllm_kvcodec.format import decode_chunk, encode_chunk
 from vllm_kvcodec.keys.chain import Namespace, ObjectAddresses
 from vllm_kvcodec.paged import Geometry, PackedKVLayout
@@ -37,7 +37,7 @@ ORDERS = ("NHD", "HND")
 
 @dataclasses.dataclass
 class Chunk:
-    """Duck-types :class:`vllm_kvcodec.connector.metadata.ChunkLoad` (which imports vLLM): one KV cache group."""
+    """Duck-types :class:`vllm_kvcodec.plans.loads.ChunkLoad`: one KV cache group."""
 
     chunk_hash: str
     first_token: int
@@ -45,6 +45,7 @@ class Chunk:
     block_ids: list[int]
     object_tokens: int | None = None  # always a full chunk here
     expect: None = None  # the objects here record no prompt's tokens (made for the check, not by the connector)
+    precisions: tuple[str, ...] = (LOSSLESS,)  # read from the engine's own namespace only
 
     @property
     def spans(self) -> list[Span]:
@@ -57,7 +58,7 @@ class Chunk:
 
 @dataclasses.dataclass
 class Spec:
-    """Duck-types :class:`vllm_kvcodec.connector.metadata.LoadSpec`."""
+    """Duck-types :class:`vllm_kvcodec.plans.loads.LoadSpec`."""
 
     req_id: str
     chunks: list[Chunk]
