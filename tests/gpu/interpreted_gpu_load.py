@@ -152,7 +152,8 @@ def _layouts(sc):
 
 
 def _run(fetcher_cls, sc, caches, stats=None, timeout=120.0):
-    fetcher = fetcher_cls(sc.store, sc.addresses, caches, _layouts(sc), 2, stats or ConnectorStats())
+    fetcher = fetcher_cls(sc.store, sc.addresses, caches, _layouts(sc), 2, stats or ConnectorStats(),
+                          variants=sc.variants)
     try:
         job = fetcher.submit(sc.specs, timeout)
         for layer in range(len(caches)):

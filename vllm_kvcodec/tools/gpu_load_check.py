@@ -78,6 +78,12 @@ class Scenario:
     index: dict[str, int]  # chunk hash -> chunk number in kv
 
     @property
+    def variants(self) -> dict[str, ObjectAddresses]:
+        """The lossy levels' objects are under the scenario's own keys: a fetcher's ``variants`` (it reads a lossy
+        object only as the level it is, never as lossless)."""
+        return {level_name(c): self.addresses for c in self.codecs if lossy(c)}
+
+    @property
     def geometry(self) -> Geometry:
         _, _, _, heads, head = self.kv.shape
         return Geometry(num_kv_heads=heads, head_size=head, block_size=self.block_size, dtype=self.kv.dtype)
@@ -119,6 +125,13 @@ class Scenario:
 def lossy(codec: str | Precision) -> bool:
     """Whether ``codec`` (a name in :func:`build`'s ``codecs``) is a lossy precision level rather than a codec."""
     return isinstance(codec, Precision) or codec in LEVELS
+
+
+def level_name(codec: str | Precision) -> str:
+    """The precision a chunk of ``codec`` is read as: its lossy level's name, else lossless."""
+    if isinstance(codec, Precision):
+        return codec.name
+    return codec if codec in LEVELS else LOSSLESS
 
 
 def build(kv: torch.Tensor, *, chunk_size: int, layers_per_object: int, block_size: int,
@@ -164,7 +177,7 @@ def build(kv: torch.Tensor, *, chunk_size: int, layers_per_object: int, block_si
             pos = range(i * chunk_size + first, (i + 1) * chunk_size)
             slots = [table[p // block_size] * block_size + p % block_size for p in pos]
             blocks = sorted({s // block_size for s in slots})
-            chunks.append(Chunk(hashes[c], first, slots, blocks))
+            chunks.append(Chunk(hashes[c], first, slots, blocks, precisions=(level_name(codecs[c % len(codecs)]),)))
         specs.append(Spec(f"req-{r}", chunks))
     return Scenario(kv, chunk_size, block_size, num_blocks, addresses, store, specs, codecs,
                     {h: c for c, h in enumerate(hashes)})
