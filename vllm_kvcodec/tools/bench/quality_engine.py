@@ -39,7 +39,8 @@ from typing import Any
 from vllm_kvcodec.codecs.precision import LOSSLESS, LOSSY_LABEL, Precision
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.tools.bench.quality import level_name
-from vllm_kvcodec.tools.bench.report import console, machine, wide_table
+from vllm_kvcodec.tools.bench.report import machine, wide_table
+from vllm_kvcodec.tools.demo import BLOCK_SIZE, Engine, steps
 
 #: Tokens of text after each prefix, computed by every engine: the prefix then ends on a block, as a local hit does.
 SUFFIX_TOKENS = 16
@@ -85,16 +86,17 @@ def run(levels: list[Precision], spec: EngineSpec, source: str | None) -> dict[s
     ids = sample_token_ids(spec.prompts * span, source)
     prompts = [ids[i * span : (i + 1) * span] for i in range(spec.prompts)]
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="kvcodec-quality-") as tmp, console.status("") as status:
-        computed, cached = _save(Precision(), prompts, spec, Path(tmp), status.update, answer=True)
-        exact = _load(Precision(), prompts, spec, Path(tmp), status.update)
+    with tempfile.TemporaryDirectory(prefix="kvcodec-quality-") as tmp, steps("engine comparison") as say:
+        computed, cached = _save(Precision(), prompts, spec, Path(tmp), say, answer=True)
+        exact = _load(Precision(), prompts, spec, Path(tmp), say)
         control = _row(Precision(), cached.tokens, exact, spec)
         _check_control(control)
         rows = []
         for level in levels:
-            _save(level, prompts, spec, Path(tmp), status.update, answer=False)
-            rows.append(_row(level, exact.tokens, _load(level, prompts, spec, Path(tmp), status.update), spec))
-    floor = {**_compare(exact.tokens, computed.tokens), "name": FLOOR, "label": FLOOR, "precision": None}
+            _save(level, prompts, spec, Path(tmp), say, answer=False)
+            rows.append(_row(level, exact.tokens, _load(level, prompts, spec, Path(tmp), say), spec))
+    floor = {**_compare(exact.tokens, computed.tokens), "loaded_tokens": _total(computed, "loaded_tokens"),
+             "name": FLOOR, "label": FLOOR, "precision": None}
     block = {"label": LOSSY_LABEL, "machine": machine(), "prompts": spec.prompts, "prefix_tokens": spec.prefix_tokens,
              "suffix_tokens": SUFFIX_TOKENS, "greedy_tokens": spec.greedy_tokens, "chunk_tokens": CHUNK_TOKENS,
              "reference": REFERENCE, "control": control, "noise_floor": floor, "results": rows,
@@ -105,8 +107,6 @@ def run(levels: list[Precision], spec: EngineSpec, source: str | None) -> dict[s
 
 def _engine(level: Precision, spec: EngineSpec, root: Path) -> Any:
     """An engine with the connector at ``level`` on the level's own file store under ``root``."""
-    from vllm_kvcodec.tools.demo import BLOCK_SIZE, Engine
-
     tokens = spec.prefix_tokens + SUFFIX_TOKENS + spec.greedy_tokens
     settings: dict[str, Any] = {} if level.lossless else {
         "precision": level.name, "precision_sink_tokens": level.sink_tokens, "precision_full_layers": level.full_layers}
@@ -122,11 +122,11 @@ def _save(level: Precision, prompts: list[list[int]], spec: EngineSpec, root: Pa
           ) -> tuple[Answers, Answers]:
     """A fresh engine at ``level`` computes each prompt, which saves its prefix. With ``answer``: its greedy tokens
     as computed (no hit), then again from vLLM's prefix cache (the prefix it computed), per prompt."""
+    say(f"{level_name(level)}: an engine computes {len(prompts)} prompts and saves their prefixes")
     engine = _engine(level, spec, root)
     computed, cached = Answers(), Answers()
     try:
-        for i, prompt in enumerate(prompts):
-            say(f"{level.name}: saving prompt {i + 1}/{len(prompts)}")
+        for prompt in prompts:
             _answer(engine, prompt, spec.greedy_tokens if answer else 1, computed)
             if answer:
                 _answer(engine, prompt, spec.greedy_tokens, cached)
@@ -141,11 +141,11 @@ def _save(level: Precision, prompts: list[list[int]], spec: EngineSpec, root: Pa
 
 def _load(level: Precision, prompts: list[list[int]], spec: EngineSpec, root: Path, say) -> Answers:
     """A fresh engine at ``level``: each prompt's prefix loaded from the store, then its greedy tokens."""
+    say(f"{level_name(level)}: a fresh engine loads {len(prompts)} prefixes and decodes greedily")
     engine = _engine(level, spec, root)
     loaded = Answers()
     try:
-        for i, prompt in enumerate(prompts):
-            say(f"{level.name}: loading prompt {i + 1}/{len(prompts)}")
+        for prompt in prompts:
             _answer(engine, prompt, spec.greedy_tokens, loaded)
     finally:
         engine.close()
@@ -185,9 +185,12 @@ def _row(level: Precision, reference: list[list[int]], answers: Answers, spec: E
     name = level_name(level)
     return {"precision": dataclasses.asdict(level), "name": name,
             "label": name if level.lossless else f"{name} ({LOSSY_LABEL})", **_compare(reference, answers.tokens),
-            "loaded_tokens": int(sum(a.get("loaded_tokens", 0) for a in answers.loaded)),
-            "loaded_bytes": int(sum(a.get("loaded_bytes", 0) for a in answers.loaded)),
-            f"precision_reads_{level.name}": int(sum(a.get(f"precision_reads_{level.name}", 0) for a in answers.loaded))}
+            "loaded_tokens": _total(answers, "loaded_tokens"), "loaded_bytes": _total(answers, "loaded_bytes"),
+            f"precision_reads_{level.name}": _total(answers, f"precision_reads_{level.name}")}
+
+
+def _total(answers: Answers, counter: str) -> int:
+    return int(sum(a.get(counter, 0) for a in answers.loaded))
 
 
 def _check_control(control: dict[str, Any]) -> None:
@@ -204,7 +207,7 @@ def _print(block: dict[str, Any]) -> None:
                f"{block['suffix_tokens']} computed tokens, {block['greedy_tokens']} greedy tokens, against "
                f"{block['reference']}; every lossy row: {LOSSY_LABEL}",
                ["precision", "loaded tokens", "identical prompts", "mean first divergence", "token agreement"],
-               [[r["label"], str(r.get("loaded_tokens", "-")), f"{r['identical_prompts']}/{r['prompts']}",
+               [[r["label"], str(r["loaded_tokens"]), f"{r['identical_prompts']}/{r['prompts']}",
                  "-" if r["mean_first_divergence"] is None else f"{r['mean_first_divergence']:.1f}",
                  f"{r['token_agreement']:.4f}"] for r in rows], width=150)
 
