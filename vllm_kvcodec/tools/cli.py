@@ -262,7 +262,7 @@ def bench_quality(
     continuation_tokens: int = typer.Option(128, help="Tokens scored teacher-forced after each prefix."),
     greedy_tokens: int = typer.Option(64, help="Greedy tokens within which a divergence is looked for."),
     windows: int = typer.Option(8, help="Disjoint windows of the text, each scored at every prefix length."),
-    threads: int = typer.Option(1, min=1, help="Torch threads."),
+    threads: int = typer.Option(1, min=1, help="Torch threads (the engines' too)."),
     engine: bool = typer.Option(False, "--engine", help="Also compare greedy tokens through real vLLM engines with "
                                                         "the connector, each level's load against the lossless load."),
     engine_only: bool = typer.Option(False, "--engine-only", help="Only the engine comparison: it is set as the "

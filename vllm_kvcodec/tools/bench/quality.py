@@ -204,7 +204,7 @@ def run(
     if engine is not None:
         from vllm_kvcodec.tools.bench import quality_engine
 
-        result["engine"] = {**quality_engine.run(wanted, engine, source),
+        result["engine"] = {**quality_engine.run(wanted, engine, source, threads),
                             "text": str(text) if text is not None else "pydoc_data.topics"}
     write_json(result, output)
     return result

@@ -77,11 +77,19 @@ class Answers:
     loaded: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
 
-def run(levels: list[Precision], spec: EngineSpec, source: str | None) -> dict[str, Any]:
-    """The ``engine`` block: the control, the noise floor and one row per lossy level (see the module's doc)."""
+def run(levels: list[Precision], spec: EngineSpec, source: str | None, threads: int = 1) -> dict[str, Any]:
+    """The ``engine`` block: the control, the noise floor and one row per lossy level (see the module's doc).
+
+    The engines run on ``threads`` torch threads, for the rest of the process: vLLM's CPU worker makes
+    ``torch.set_num_threads`` a no-op once an engine started. One is the fastest on a shared 2-core host: with two,
+    OpenMP threads waiting on each other's barriers while other processes held the cores took 856 s for the
+    control's first engine, against 67 s with one."""
+    import torch
+
     from vllm_kvcodec.tools.smollm2 import sample_token_ids
 
     spec.check(levels)
+    torch.set_num_threads(threads)
     span = spec.prefix_tokens + SUFFIX_TOKENS
     ids = sample_token_ids(spec.prompts * span, source)
     prompts = [ids[i * span : (i + 1) * span] for i in range(spec.prompts)]
@@ -99,7 +107,7 @@ def run(levels: list[Precision], spec: EngineSpec, source: str | None) -> dict[s
              "name": FLOOR, "label": FLOOR, "precision": None}
     block = {"label": LOSSY_LABEL, "machine": machine(), "prompts": spec.prompts, "prefix_tokens": spec.prefix_tokens,
              "suffix_tokens": SUFFIX_TOKENS, "greedy_tokens": spec.greedy_tokens, "chunk_tokens": CHUNK_TOKENS,
-             "reference": REFERENCE, "control": control, "noise_floor": floor, "results": rows,
+             "threads": threads, "reference": REFERENCE, "control": control, "noise_floor": floor, "results": rows,
              "seconds": round(time.perf_counter() - started, 1)}
     _print(block)
     return block
