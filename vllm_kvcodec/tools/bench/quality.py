@@ -44,9 +44,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from vllm_kvcodec.codecs.precision import LOSSY_LABEL, Precision, parse_precision
+from vllm_kvcodec.codecs.precision import LOSSY_LABEL, Precision
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.format import decode_chunk, encode_chunk
+from vllm_kvcodec.tools.bench.quality_levels import level_name, parse_level
 from vllm_kvcodec.tools.bench.report import console, machine, wide_table, write_json
 
 if TYPE_CHECKING:
@@ -96,25 +97,6 @@ class Scores:
         self.agree.append(agree)
         self.divergence.append(first_divergence(base[1], other[1]))
         self.prefix.append(prefix)
-
-
-def parse_level(spec: str) -> Precision:
-    """``int8`` or ``int4,sink_tokens=64,full_layers=2``: a level and what it keeps at full precision."""
-    name, *options = [part.strip() for part in spec.split(",")]
-    kept: dict[str, int] = {}
-    for option in options:
-        key, _, value = option.partition("=")
-        if key not in ("sink_tokens", "full_layers") or not value.strip().isdigit():
-            raise ConfigError(f"precision option {option!r} in {spec!r} is not sink_tokens=N or full_layers=N")
-        kept[key] = int(value)
-    return dataclasses.replace(parse_precision(name), **kept)
-
-
-def level_name(level: Precision) -> str:
-    """``int4`` or ``int4+64 sink tokens+2 layers``, as tables and charts show it (without the lossy label)."""
-    kept = [f"{level.sink_tokens} sink tokens"] * bool(level.sink_tokens)
-    kept += [f"{level.full_layers} layers"] * bool(level.full_layers)
-    return "+".join([level.name, *kept])
 
 
 def chunk_precision(level: Precision, index: int) -> Precision:

@@ -36,9 +36,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_kvcodec.codecs.precision import LOSSLESS, LOSSY_LABEL, Precision
+from vllm_kvcodec.codecs.precision import LOSSY_LABEL, Precision
 from vllm_kvcodec.errors import ConfigError
-from vllm_kvcodec.tools.bench.quality import level_name
+from vllm_kvcodec.tools.bench.quality_levels import level_name
 from vllm_kvcodec.tools.bench.report import machine, wide_table
 from vllm_kvcodec.tools.demo import BLOCK_SIZE, Engine, steps
 
