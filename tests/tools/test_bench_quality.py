@@ -68,3 +68,41 @@ def test_bad_settings_are_one_line_errors(args: tuple[str, ...], says: str) -> N
     done = kvcodec("bench", "quality", *args)
     assert done.returncode == 2 and done.stderr.startswith("error: ") and says in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+ENGINE_KEYS = ("identical_prompts", "prompts", "mean_first_divergence", "token_agreement", "loaded_tokens", "label")
+
+
+@pytest.mark.engine
+def test_through_the_engine_the_lossless_control_is_identical_and_int8_loads_int8_objects(tmp_path) -> None:
+    """Greedy tokens through real vLLM engines: the lossless load decodes what vLLM's own prefix cache decodes on
+    every prompt, the int8 row's prefixes were loaded from int8 objects, and --engine-only keeps the file's other
+    figures. How many int8 tokens differ is the benchmark's measurement, not asserted."""
+    out = tmp_path / "quality.json"
+    out.write_text(json.dumps({"benchmark": "quality", "results": ["kept"]}))
+    done = kvcodec("bench", "quality", "--engine-only", "--precision", "int8", "--engine-prompts", "2",
+                   "--engine-prefix-tokens", "256", "--engine-greedy-tokens", "8", "--json", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["results"] == ["kept"]
+    block = result["engine"]
+    control, (int8,) = block["control"], block["results"]
+    assert (block["prompts"], block["prefix_tokens"], block["greedy_tokens"]) == (2, 256, 8)
+    assert control["identical_prompts"] == control["prompts"] == 2 and control["token_agreement"] == 1.0
+    assert control["mean_first_divergence"] is None and control["precision_reads_lossless"] == 2
+    assert control["loaded_tokens"] == int8["loaded_tokens"] == 2 * 256
+    assert int8["precision_reads_int8"] == 2 and int8["precision"]["name"] == "int8"
+    for row in (control, int8, block["noise_floor"]):
+        assert all(key in row for key in ENGINE_KEYS)
+    assert int8["label"] == f"int8 ({LOSSY_LABEL})" and block["label"] == LOSSY_LABEL
+    assert LOSSY_LABEL in done.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--engine-prefix-tokens", "300"), "must be whole chunks of 256 tokens"),
+    (("--engine-prompts", "0"), "must each be at least 1"),
+])
+def test_bad_engine_settings_are_one_line_errors(args: tuple[str, ...], says: str) -> None:
+    done = kvcodec("bench", "quality", "--engine-only", *args)
+    assert done.returncode == 2 and done.stderr.startswith("error: ") and says in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

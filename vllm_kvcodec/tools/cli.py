@@ -262,15 +262,25 @@ def bench_quality(
     continuation_tokens: int = typer.Option(128, help="Tokens scored teacher-forced after each prefix."),
     greedy_tokens: int = typer.Option(64, help="Greedy tokens within which a divergence is looked for."),
     windows: int = typer.Option(8, help="Disjoint windows of the text, each scored at every prefix length."),
-    threads: int = typer.Option(1, min=1, help="Torch threads."),
+    threads: int = typer.Option(1, min=1, help="Torch threads (the engines' too)."),
+    engine: bool = typer.Option(False, "--engine", help="Also compare greedy tokens through real vLLM engines with "
+                                                        "the connector, each level's load against the lossless load."),
+    engine_only: bool = typer.Option(False, "--engine-only", help="Only the engine comparison: it is set as the "
+                                                                  "--json file's engine block, its other figures kept."),
+    engine_prompts: int = typer.Option(16, help="Engine comparison: prompts, disjoint windows of the text."),
+    engine_prefix_tokens: int = typer.Option(1024, help="Engine comparison: prefix tokens each prompt loads (whole 256-token chunks)."),
+    engine_greedy_tokens: int = typer.Option(32, help="Engine comparison: greedy tokens decoded after each prompt."),
 ) -> None:
-    """LOSSY: NOT BIT-EXACT. ΔNLL, KL and top-1 agreement of SmolLM2 scoring a text on KV stored at a precision level."""
+    """LOSSY: NOT BIT-EXACT. ΔNLL, KL and top-1 agreement of SmolLM2 scoring a text on KV stored at a precision level;
+    with --engine, greedy tokens through vLLM after a lossy load against a lossless one."""
     from vllm_kvcodec.tools.bench import quality
+    from vllm_kvcodec.tools.bench.quality_engine import EngineSpec
 
+    spec = EngineSpec(engine_prompts, engine_prefix_tokens, engine_greedy_tokens) if engine or engine_only else None
     try:
         quality.run(output, levels=precision or None, text=text, prefix_tokens=tuple(prefix_tokens or (512, 1024, 2048)),
                     continuation_tokens=continuation_tokens, greedy_tokens=greedy_tokens, windows=windows,
-                    threads=threads)
+                    threads=threads, engine=spec, teacher_forced=not engine_only)
     except ValueError as exc:  # ConfigError among them: a bad level, prefix, or a text too short
         fail(exc)
 

@@ -39,15 +39,19 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from vllm_kvcodec.codecs.precision import LOSSY_LABEL, Precision, parse_precision
+from vllm_kvcodec.codecs.precision import LOSSY_LABEL, Precision
 from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.format import decode_chunk, encode_chunk
+from vllm_kvcodec.tools.bench.quality_levels import level_name, parse_level
 from vllm_kvcodec.tools.bench.report import console, machine, wide_table, write_json
+
+if TYPE_CHECKING:
+    from vllm_kvcodec.tools.bench.quality_engine import EngineSpec
 
 CI = ("95 % percentile bootstrap over whole continuations (10000 resamples, seed 0); "
       "tokens within a continuation are correlated, so they are not resampled one by one")
@@ -93,25 +97,6 @@ class Scores:
         self.agree.append(agree)
         self.divergence.append(first_divergence(base[1], other[1]))
         self.prefix.append(prefix)
-
-
-def parse_level(spec: str) -> Precision:
-    """``int8`` or ``int4,sink_tokens=64,full_layers=2``: a level and what it keeps at full precision."""
-    name, *options = [part.strip() for part in spec.split(",")]
-    kept: dict[str, int] = {}
-    for option in options:
-        key, _, value = option.partition("=")
-        if key not in ("sink_tokens", "full_layers") or not value.strip().isdigit():
-            raise ConfigError(f"precision option {option!r} in {spec!r} is not sink_tokens=N or full_layers=N")
-        kept[key] = int(value)
-    return dataclasses.replace(parse_precision(name), **kept)
-
-
-def level_name(level: Precision) -> str:
-    """``int4`` or ``int4+64 sink tokens+2 layers``, as tables and charts show it (without the lossy label)."""
-    kept = [f"{level.sink_tokens} sink tokens"] * bool(level.sink_tokens)
-    kept += [f"{level.full_layers} layers"] * bool(level.full_layers)
-    return "+".join([level.name, *kept])
 
 
 def chunk_precision(level: Precision, index: int) -> Precision:
@@ -179,13 +164,47 @@ def run(
     windows: int = 8,
     chunk_tokens: int = 256,
     threads: int = 1,
+    engine: "EngineSpec | None" = None,
+    teacher_forced: bool = True,
 ) -> dict[str, Any]:
-    from vllm_kvcodec.tools.smollm2 import MODEL_NAME, load_model, sample_token_ids
+    """The teacher-forced figures, and with ``engine`` its ``engine`` block (:mod:`.quality_engine`). Without
+    ``teacher_forced``, only that block is measured and set in ``output``, whose other figures are kept."""
+    from vllm_kvcodec.tools.smollm2 import MODEL_NAME
 
     wanted = [parse_level(s) if isinstance(s, str) else s for s in levels or ["int8"]]
     _check(wanted, prefix_tokens, continuation_tokens, greedy_tokens, windows, chunk_tokens)
-    span = max(prefix_tokens) + max(continuation_tokens, greedy_tokens) + 1
+    if not teacher_forced and engine is None:
+        raise ConfigError("nothing to measure: the engine comparison is the only part asked for, and it is off")
+    if engine is not None:
+        engine.check(wanted)
     source = text.read_text(encoding="utf-8") if text is not None else None
+    if teacher_forced:
+        result = _teacher_forced(wanted, text, source, prefix_tokens, continuation_tokens, greedy_tokens, windows,
+                                 chunk_tokens, threads)
+    else:
+        result = _recorded(output) or {"benchmark": "quality", "label": LOSSY_LABEL, "model": MODEL_NAME}
+    if engine is not None:
+        from vllm_kvcodec.tools.bench import quality_engine
+
+        result["engine"] = {**quality_engine.run(wanted, engine, source, threads),
+                            "text": str(text) if text is not None else "pydoc_data.topics"}
+    write_json(result, output)
+    return result
+
+
+def _recorded(output: Path | None) -> dict[str, Any] | None:
+    """The figures already in ``output``, kept when only the engine block is measured again."""
+    import json
+
+    return json.loads(output.read_text()) if output is not None and output.exists() else None
+
+
+def _teacher_forced(wanted: list[Precision], text: Path | None, source: str | None, prefix_tokens: tuple[int, ...],
+                    continuation_tokens: int, greedy_tokens: int, windows: int, chunk_tokens: int,
+                    threads: int) -> dict[str, Any]:
+    from vllm_kvcodec.tools.smollm2 import MODEL_NAME, load_model, sample_token_ids
+
+    span = max(prefix_tokens) + max(continuation_tokens, greedy_tokens) + 1
     ids = sample_token_ids(windows * span, source)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -209,7 +228,6 @@ def run(
               "greedy_tokens": greedy_tokens, "chunk_tokens": chunk_tokens, "threads": threads, "ci": CI,
               "control": control, "noise_floor": noise, "results": rows, "reported": REPORTED, "targets": _targets(rows)}
     _print(result)
-    write_json(result, output)
     return result
 
 
