@@ -8,7 +8,8 @@ all loaded by the same machinery as every other ``bench ttft`` row.
 transfer takes against the prefill it replaces. The paper's links (KVCodec:
 1-40 Gbit/s) are scaled so that this ratio is the same here as there:
 ``B_host = B_paper * (host tok/s * host KV B/token) / (paper tok/s * paper KV
-B/token)``. The host's prefill speed is the recompute baseline's; the paper's
+B/token)``. The host's prefill speed is the fastest recompute baseline's (on a
+shared machine the slower ones measure other processes too); the paper's
 is estimated from FLOPs (its text gives none that we have), and
 ``--paper-prefill-tok-s`` overrides the estimate.
 
@@ -102,7 +103,7 @@ def scaling(host_tok_s: float, host_kv_bytes: int, paper_tok_s: float | None, pa
     links = {g: float(f"{g * factor:.3g}") for g in paper_gbps}
     return {
         "formula": "B_host = B_paper * (host_prefill_tok_s * host_kv_B_per_tok) / (paper_prefill_tok_s * paper_kv_B_per_tok)",
-        "host_prefill_tok_s": host_tok_s,
+        "host_prefill_tok_s": host_tok_s,  # the prompt's tokens over the fastest recompute
         "host_kv_bytes_per_token": host_kv_bytes,
         "paper": PAPER,
         "paper_prefill_tok_s": paper_tok_s,
