@@ -244,7 +244,7 @@ def run(
         "results": rows,
         "replay": replay_rows,
         "targets": targets,
-        **({"precision": {**ttft_precision.summarize(rows, baseline, scale), "scaling": scale}} if levels else {}),
+        **({"precision": {**ttft_precision.summarize(rows, scale), "scaling": scale}} if levels else {}),
         "seconds": time.perf_counter() - started,
     }
     _print(result)
