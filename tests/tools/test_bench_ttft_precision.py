@@ -38,7 +38,7 @@ def test_lossy_rows_read_lossy_objects_and_lossless_rows_none(tmp_path) -> None:
     assert scale["host_prefill_tok_s"] == pytest.approx(host_tok_s) and scale["host_kv_bytes_per_token"] == 23040
     (link,) = scale["links"]
     assert link["paper_gbps"] == 16 and rans["gbps"] == int8["gbps"] == link["host_gbps"]
-    assert link["host_gbps"] == pytest.approx(16 * scale["factor"], rel=2e-3)
+    assert link["host_gbps"] == pytest.approx(16 * scale["factor"], rel=5e-3)  # to 3 significant digits
     assert p["label"] == LOSSY_LABEL and set(p["crossover"]) == {"int8"} and "vs_rans" in p["crossover"]["int8"]
     assert p["speedup_at_paper_16"]["host_gbps"] == link["host_gbps"]
     assert p["speedup_at_paper_16"]["KVCodec, as reported (Yi-34B on their GPUs, not measured here)"] == 3.51
@@ -53,7 +53,7 @@ def test_the_paper_links_keep_raw_transfer_over_prefill_time() -> None:
         # 2048 tokens of raw KV over the link, in prefills of 2048 tokens: the same here as in the paper's setting
         here = 2048 * 23040 * 8 / (link["host_gbps"] * 1e9) / (2048 / 3000.0)
         there = 2048 * 245760 * 8 / (link["paper_gbps"] * 1e9) / (2048 / paper_tok_s)
-        assert here == pytest.approx(there, rel=2e-3)
+        assert here == pytest.approx(there, rel=5e-3)  # the links are rounded to 3 significant digits
     given = ttft_precision.scaling(3000.0, 23040, 2000.0, [16.0])
     assert given["paper_prefill_tok_s"] == 2000.0 and given["factor"] == pytest.approx(3000 * 23040 / (2000 * 245760))
 
