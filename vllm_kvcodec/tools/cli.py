@@ -225,7 +225,7 @@ def bench_schedule(
 
 @bench_app.command("ttft")
 def bench_ttft(
-    output: Path = typer.Option(RESULTS / "ttft.json", help="JSON file to write."),
+    output: Path = typer.Option(RESULTS / "ttft.json", "--output", "--json", help="JSON file to write."),
     codec: Optional[list[str]] = typer.Option(None, "--codec", help="Codec(s) to measure (repeatable; default raw, zstd, splitzip, rans, auto)."),
     gbps: Optional[list[float]] = typer.Option(None, "--gbps", help="Link speed(s) in Gbit/s (repeatable; default 1, 10, 100)."),
     rtt_ms: float = typer.Option(0.2, help="Round-trip time of the emulated link."),
@@ -241,13 +241,29 @@ def bench_ttft(
     replay_only: bool = typer.Option(False, "--replay-only", help="Only the replay beside ExampleConnector (no links, no recompute baseline): minutes instead of an hour."),
     replay_repeats: int = typer.Option(10, help="Timed (replay, local hit) pairs per replay row (the median of their ratios is reported)."),
     load_wait: str = typer.Option("auto", help="The connector's load_wait (auto, layers, whole): whether the prefill waits for the whole load."),
+    precision: Optional[list[str]] = typer.Option(
+        None, "--precision", help="Precision rows, e.g. lossless,int8,int6,int4 (repeatable): raw reuse and lossless "
+                                  "rans beside each lossy level (LOSSY: NOT BIT-EXACT), on paper-scaled links unless --gbps."),
+    paper_scale: Optional[bool] = typer.Option(
+        None, "--paper-scale/--no-paper-scale", help="Scale the paper's links to this host's prefill speed (default: "
+                                                     "with --precision and no --gbps)."),
+    paper_gbps: Optional[list[float]] = typer.Option(None, "--paper-gbps", help="The paper's links to scale (repeatable; default 1, 4, 16, 40)."),
+    paper_prefill_tok_s: Optional[float] = typer.Option(
+        None, min=1e-9, help="The paper's prefill tokens/s (default: estimated from FLOPs, Yi-34B on an H20 at 50% MFU)."),
 ) -> None:
     """TTFT of a 4k-token prefix loaded through the connector per codec at 1/10/100 Gbit/s vs recompute."""
+    from vllm_kvcodec.errors import ConfigError
     from vllm_kvcodec.tools.bench import ttft
 
+    try:  # before any engine starts
+        ttft.precision_settings(precision, paper_scale, gbps, replay_only)
+    except ConfigError as exc:  # an unknown precision, or paper-scaled links without the recompute baseline
+        fail(exc)
     ttft.run(output, codecs=codec or None, gbps=gbps or None, rtt_ms=rtt_ms, prefix_tokens=prefix_tokens,
              suffix_tokens=suffix_tokens, repeats=repeats, video=video, quick=quick, store=store,
-             replay=replay, replay_only=replay_only, replay_repeats=replay_repeats, load_wait=load_wait)
+             replay=replay, replay_only=replay_only, replay_repeats=replay_repeats, load_wait=load_wait,
+             precisions=precision or None, paper_scale=paper_scale, paper_gbps=paper_gbps or None,
+             paper_prefill_tok_s=paper_prefill_tok_s)
 
 
 @bench_app.command("quality")

@@ -31,6 +31,10 @@ engines cannot be compared, while two requests a few hundred ms apart can. Stage
 seconds (fetch, decode, scatter) are the connector's own counters for one
 load, summed over its fetch threads (so they can exceed the wall time); fetch
 includes the emulated link's wait.
+
+With ``precisions`` the rows are raw reuse and lossless ``rans`` beside each
+lossy level (LOSSY: NOT BIT-EXACT), over links scaled to where the papers
+operate, with each level's crossover (:mod:`.ttft_precision`).
 """
 
 from __future__ import annotations
@@ -46,7 +50,10 @@ from typing import Any
 
 from storage.options import split_query, with_query
 
+from vllm_kvcodec.codecs.precision import LOSSLESS, LOSSY_LABEL
+from vllm_kvcodec.errors import ConfigError
 from vllm_kvcodec.tools.bench import replay as replay_bench
+from vllm_kvcodec.tools.bench import ttft_precision
 from vllm_kvcodec.tools.bench.cpu_floor import cpu_floor, usable_cores
 from vllm_kvcodec.tools.bench.report import console, machine, wide_table, write_json
 
@@ -92,7 +99,14 @@ def run(
     replay_only: bool = False,
     replay_repeats: int = 10,
     load_wait: str = "auto",
+    precisions: list[str] | None = None,
+    paper_scale: bool | None = None,
+    paper_gbps: list[float] | None = None,
+    paper_prefill_tok_s: float | None = None,
 ) -> dict[str, Any]:
+    """``precisions`` (e.g. ``["lossless,int8"]``): the precision rows; they scale the paper's links
+    (``paper_gbps``) to this host unless ``gbps`` is given or ``paper_scale`` is False."""
+    levels, paper_scale = precision_settings(precisions, paper_scale, gbps, replay_only)
     fresh_numba = _fresh_numba_cache()
     from vllm_kvcodec.tools.demo import BLOCK_SIZE, Engine, engine_env
 
@@ -100,6 +114,8 @@ def run(
     from vllm_kvcodec.tools.smollm2 import model_dir, sample_token_ids
 
     started = time.perf_counter()
+    if codecs is None and levels:
+        codecs = list(ttft_precision.LOSSLESS_CODECS)
     if codecs is None:
         codecs = list(QUICK_CODECS if quick else DEFAULT_CODECS)
         if video:
@@ -124,8 +140,9 @@ def run(
     tmp = Path(tempfile.mkdtemp(prefix="kvcodec-ttft-"))
     rows: list[dict[str, Any]] = []
     replay_rows: list[dict[str, Any]] = []
-    plans = [] if replay_only else [(c, g) for c in codecs for g in links]
+    variants = ttft_precision.plans([(_name(c), c) for c in codecs], levels)
     baseline: dict[str, Any] = {}
+    scale: dict[str, Any] | None = None
     try:
         with console.status("") as status:
             if replay_only:  # the ExampleConnector comparison alone: minutes, not the full hour
@@ -133,10 +150,18 @@ def run(
                                                load_wait, status)
             else:
                 baseline = _baselines(prompts, repeats, max_len, status)
+            if paper_scale:
+                # the fastest recompute: the host's own speed, least slowed by other processes on the cores
+                scale = ttft_precision.scaling((prefix_tokens + suffix_tokens) / min(baseline["recompute_all_s"]),
+                                               ttft_precision.host_kv_bytes_per_token(model_dir()), paper_prefill_tok_s,
+                                               list(paper_gbps or ttft_precision.PAPER_GBPS))
+                links = [link["host_gbps"] for link in scale["links"]]
+                console.log("the paper's links here: " + ", ".join(
+                    f"{link['paper_gbps']:g} -> {link['host_gbps']:g} Gbit/s" for link in scale["links"]))
+            plans = [] if replay_only else [(v, g) for v in variants for g in links]
             # ---- connector loads -----------------------------------------------------------
             populated: dict[str, dict[str, Any]] = {}
-            for n, (codec, g) in enumerate(plans, 1):
-                name = _name(codec)
+            for n, ((name, codec, extra), g) in enumerate(plans, 1):
                 where = f"[{n}/{len(plans)}] {name} at {g:g} Gbit/s"
                 # auto picks its codec from the link it saves over: one store per link speed
                 store_key = f"{name}@{g:g}" if codec == "auto" else name
@@ -144,7 +169,7 @@ def run(
                 status.update(f"{where}: starting an engine")
                 # every chunk in the row's codec: no cheaper codec for a saver that falls behind
                 engine = Engine(url, codec, max_model_len=max_len, chunk_size=chunk_size, save_codec_when_behind=None,
-                                load_wait=load_wait)
+                                load_wait=load_wait, **extra)
                 if store_key not in populated:
                     status.update(f"{where}: computing and saving the prefix")
                     t0 = time.perf_counter()
@@ -175,13 +200,16 @@ def run(
                 engine.close()
                 engine = None
                 row = _row(name, g, ttfts, loads, populated[store_key], baseline, expected_hit)
+                row["precision"] = extra.get("precision", LOSSLESS)
+                row["label"] = ttft_precision.label(name, row["precision"])
+                row["precision_reads"] = ttft_precision.reads(loads)
                 row["local_hit_s"], row["local_hit_all_s"] = _median(local), local
                 row["over_local"] = _median([t / h for t, h in zip(ttfts, local)])
                 row.update(cpu_floor(cpu, local))
                 row["first_load_s"] = first_load
                 row["first_in_process"] = not rows
                 rows.append(row)
-                console.log(f"{name:>9} @ {g:>5g} Gbit/s: TTFT {row['ttft_s'] * 1000:.0f} ms, "
+                console.log(f"{row['label']:>9} @ {g:>5g} Gbit/s: TTFT {row['ttft_s'] * 1000:.0f} ms, "
                             f"loaded {row['loaded_tokens']} tokens ({row['loaded_codecs']}), prefill waited for "
                             f"{row['waited_whole']} of {len(row['ttft_all_s'])} whole loads")
             if replay and not replay_only:
@@ -190,7 +218,8 @@ def run(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    targets = _targets(rows, baseline, links) if rows else {}
+    lossless = [r for r in rows if r["precision"] == LOSSLESS]  # the codec targets are about lossless codecs
+    targets = _targets(lossless, baseline, links) if lossless else {}
     if rows:  # the first connector engine of this process: numba's cache was empty if fresh_numba
         first = rows[0]
         targets[f"first load / steady load ({first['codec']} @ {first['gbps']:g} Gbit/s, "
@@ -215,14 +244,28 @@ def run(
         "results": rows,
         "replay": replay_rows,
         "targets": targets,
+        **({"precision": {**ttft_precision.summarize(rows, scale), "scaling": scale}} if levels else {}),
         "seconds": time.perf_counter() - started,
     }
     _print(result)
+    if levels:
+        ttft_precision.print_summary(result)
     write_json(result, output)
     return result
 
 
 _RUN = uuid.uuid4().hex[:12]
+
+
+def precision_settings(precisions: list[str] | None, paper_scale: bool | None, gbps: list[float] | None,
+                       replay_only: bool) -> tuple[list[str], bool]:
+    """The precision levels asked for, and whether the links are the paper's scaled (by default: with levels and no
+    ``gbps``); a ConfigError where they cannot run."""
+    levels = ttft_precision.parse_levels(precisions or [])
+    paper_scale = bool(levels) and not gbps if paper_scale is None else paper_scale
+    if (paper_scale or levels) and replay_only:
+        raise ConfigError("--replay-only measures no links: it takes neither --precision nor --paper-scale")
+    return levels, paper_scale
 
 
 def _baselines(prompts: list[list[int]], repeats: int, max_len: int, status: Any) -> dict[str, Any]:
@@ -418,7 +461,8 @@ def _print_loads(result: dict[str, Any]) -> None:
 def _label(r: dict[str, Any]) -> str:
     """The codec asked for, and what it saved with when that differs (auto)."""
     used = r["save"]["codecs"]
-    return r["codec"] if used == r["codec"] else f"{r['codec']}→{used}"
+    name = r["codec"] if used == r["codec"] else f"{r['codec']}→{used}"
+    return name if r.get("precision", LOSSLESS) == LOSSLESS else f"{name} ({LOSSY_LABEL})"
 
 
 def _verdict(r: dict[str, Any]) -> str:
