@@ -29,7 +29,7 @@ VLLM_API_TESTS ?= tests/connector/test_scheduler_lifecycle.py tests/connector/te
   tests/connector/test_lookup_prefetch.py tests/connector/test_kv_role.py tests/connector/test_kv_events.py \
   tests/connector/test_mla_tp.py tests/connector/test_pipeline_parallel.py tests/connector/test_config.py \
   tests/connector/test_plugin.py tests/connector/test_scheduler_trust.py tests/connector/test_scheduler_sessions.py \
-  tests/connector/test_lookup_budget.py tests/connector/test_prom_metrics.py
+  tests/connector/test_lookup_budget.py tests/connector/test_prom_metrics.py tests/connector/test_scheduler_precision.py
 
 .PHONY: install demo test test-vllm-latest bench clean redis-server libibverbs gpu-bundle
 
