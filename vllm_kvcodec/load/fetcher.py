@@ -55,7 +55,7 @@ from vllm_kvcodec.load.load_job import LoadJob
 from vllm_kvcodec.load.placement import HostPlacement, Placement
 from vllm_kvcodec.runtime.malloc import warm_thread_heap
 from vllm_kvcodec.paged import PagedLayout
-from vllm_kvcodec.paged.objects import ObjectLayout, PageObjects, object_layout_for
+from vllm_kvcodec.paged.objects import PageObjects, object_layout_for
 from vllm_kvcodec.plans.loads import ChunkLoad, LoadSpec
 from vllm_kvcodec.plans.spans import Span
 from vllm_kvcodec.runtime.threads import one_torch_thread, started_pool
@@ -337,8 +337,7 @@ class Fetcher:
         with value:
             head, header = read_head(value, key)
             layers = self.groups[group]
-            self._check(header, chunk, len(layers), key, self._objects[chunk.precisions[0]],
-                        chunk.precisions[0])
+            self._check(header, chunk, len(layers), key, chunk.precisions[0])
             runs = self._page_runs(layers, chunk.spans, header, chunk.precisions[0]) if is_raw(header) else None
             if runs is None:  # compressed, or not landing whole: read it all, then decode and scatter
                 blob = value.read(0, value.size)
@@ -372,17 +371,16 @@ class Fetcher:
         if blob is None:
             raise LoadError(f"object {key} is missing", "missing")
         precision = precision or chunk.precisions[0]
-        objects = self._objects[precision]
         t1 = time.perf_counter()
         header = read_header(blob, key=key)  # sizes, checksum and key binding: a swapped object is rejected
         layers = self.groups[group]
-        self._check(header, chunk, len(layers), key, objects, precision)
+        self._check(header, chunk, len(layers), key, precision)
         if (runs := self._page_runs(layers, chunk.spans, header, precision)) is not None:
             t2 = self._into_pages(job, blob, header, runs)
             on_device = False
         else:
             decoded = self.placement.decode(blob, header, chunk.spans)
-            decoded.objects = objects
+            decoded.objects = self._objects[precision]
             t2 = time.perf_counter()
             self._write(job, lambda: self.placement.scatter(layers, decoded))
             on_device = decoded.on_device
@@ -420,10 +418,9 @@ class Fetcher:
         if self.observe_object is not None:
             self.observe_object(precision, nbytes, header.raw_nbytes, decode_s)
 
-    def _check(self, header: ChunkHeader, chunk: ChunkLoad, num_layers: int, key: str, objects: ObjectLayout,
-               precision: str) -> None:
+    def _check(self, header: ChunkHeader, chunk: ChunkLoad, num_layers: int, key: str, precision: str) -> None:
         """Before anything is decoded: the object must hold exactly one layer group of this engine's KV for the
-        chunk's tokens, as ``objects`` lay it out, and record this prompt's tokens for every token the load
+        chunk's tokens, as ``precision``'s namespace lays it out, and record this prompt's tokens for every token the load
         writes (``chunk.expect``). A lossless read takes no lossy object, whatever key it is bound to (the
         namespaces keep them apart; this keeps a miswritten store from doing otherwise)."""
         if precision == LOSSLESS and stored_precision(header.codec_config) != LOSSLESS:
@@ -431,7 +428,7 @@ class Fetcher:
         first = self.groups[0][0]
         a = self.layouts[first]
         tokens = chunk.object_tokens or self.addresses.namespace.chunk_size
-        expected = objects.object_shape(num_layers, a, self.caches[first], tokens)
+        expected = self._objects[precision].object_shape(num_layers, a, self.caches[first], tokens)
         if header.shape != expected or header.dtype.torch_dtype != a.dtype:
             raise LoadError(f"stored object holds {header.shape} {header.dtype.name.lower()}, expected {expected} {a.dtype}",
                             "mismatch")

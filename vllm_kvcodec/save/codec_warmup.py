@@ -43,8 +43,6 @@ def warm_up(dtype: torch.dtype) -> dict[str, float]:
         # kernels are rans's, warmed here anyway.
         if not codec.supports(wire) or codec_id == "video" or not codec.lossless:
             continue
-        if not codec.lossless:  # only a precision level names it; its rANS planes are rans's kernels, warmed there
-            continue
         t0 = time.perf_counter()
         blob = encode_chunk(sample, codec)
         decode_chunk(blob)

@@ -27,14 +27,14 @@ stall in either half of an in-engine pair (``over_local``) corrupts its ratio.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import statistics
 from pathlib import Path
 from typing import Any
 
-from vllm_kvcodec.codecs.precision import LEVELS, LOSSLESS, LOSSY_LABEL
-from vllm_kvcodec.errors import ConfigError
+from vllm_kvcodec.codecs.precision import LOSSLESS, LOSSY_LABEL, parse_precision
 from vllm_kvcodec.tools.bench.report import console, wide_table
 
 #: The links KVCodec measures over (Gbit/s).
@@ -57,10 +57,7 @@ KVCODEC_OVER_RAW_AT_16 = 3.51
 
 def parse_levels(specs: list[str]) -> list[str]:
     """``lossless,int8`` or repeated options -> the precisions asked for, each once, in order."""
-    names = [s.strip().lower() for spec in specs for s in spec.split(",") if s.strip()]
-    for name in names:
-        if name != LOSSLESS and name not in LEVELS:
-            raise ConfigError(f"precision {name!r} is not one of {', '.join([LOSSLESS, *LEVELS])}")
+    names = [parse_precision(s.strip()).name for spec in specs for s in spec.split(",") if s.strip()]
     return list(dict.fromkeys(names))
 
 
@@ -77,12 +74,10 @@ def label(name: str, precision: str) -> str:
 
 def reads(loads: list[dict[str, float]]) -> dict[str, int]:
     """Objects read per precision over the timed loads (the fetcher's ``precision_reads_*`` counters)."""
-    out: dict[str, int] = {}
+    out: collections.Counter[str] = collections.Counter()
     for d in loads:
-        for k, v in d.items():
-            if k.startswith("precision_reads_") and v:
-                out[k[len("precision_reads_"):]] = out.get(k[len("precision_reads_"):], 0) + int(v)
-    return out
+        out.update({k.removeprefix("precision_reads_"): int(v) for k, v in d.items() if k.startswith("precision_reads_") and v})
+    return dict(out)
 
 
 def paper_prefill_tok_s(paper: dict[str, Any] = PAPER) -> float:
